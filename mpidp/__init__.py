@@ -1,0 +1,20 @@
+"""mpidp: data-parallel training for PyTorch over MPI, Horovod-compatible (import mpidp.torch as hvd)."""
+
+from .collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
+                          grouped_allgather, grouped_allreduce, grouped_allreduce_,
+                          grouped_reducescatter, reducescatter)
+from .compression import Compression
+from .errors import (CollectiveError, ConfigError, EngineShutdownError, HorovodInternalError,
+                     MismatchError, MpidpError, NotInitializedError, OpTimeoutError)
+from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_async,
+                  allreduce_async_, alltoall_async, barrier, broadcast_async, broadcast_async_,
+                  grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
+                  grouped_reducescatter_async, join, poll, reducescatter_async, synchronize)
+from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+                      shutdown, size)
+
+__version__ = "0.1.0"
+
+__all__ = [name for name in dir() if not name.startswith("_")]

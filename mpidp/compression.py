@@ -1,0 +1,53 @@
+"""Gradient compression: cast floating tensors to 16 bits for the wire and back afterwards."""
+
+import torch
+
+
+class Compressor:
+    """Interface: `compress(t) -> (t', ctx)` before the collective, `decompress(t', ctx)` after."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are."""
+
+
+class _CastCompressor(Compressor):
+    wire = torch.float16
+
+    @classmethod
+    def compress(cls, tensor):
+        if tensor.is_floating_point() and tensor.dtype != cls.wire:
+            return tensor.to(cls.wire), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class FP16Compressor(_CastCompressor):
+    """Floating tensors travel as float16 (half the bytes; range up to 65504)."""
+
+    wire = torch.float16
+
+
+class BF16Compressor(_CastCompressor):
+    """Floating tensors travel as bfloat16 (float32's range, 8 bits of mantissa)."""
+
+    wire = torch.bfloat16
+
+
+class Compression:
+    """Horovod's names: `Compression.none`, `Compression.fp16`, and mpidp's `Compression.bf16`."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor

@@ -1,0 +1,159 @@
+"""Every knob of mpidp, defined once: field, environment variable, type, default and why."""
+
+import dataclasses
+import os
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+from .errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One knob: its field name, variables, parser, default and one-line doc."""
+
+    field: str
+    env: str
+    parse: Callable[[str], object]
+    default: object
+    doc: str
+    horovod: Optional[str] = None
+    must_agree: bool = True  # all ranks must hold the same value (checked by init())
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text.strip(), 0)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _pos_int(text: str) -> int:
+    value = int(text.strip(), 0)
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    value = float(text.strip())
+    if not value >= 0.0:  # also rejects nan
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _log_level(text: str) -> str:
+    low = text.strip().lower()
+    if low not in ("trace", "debug", "info", "warning", "error", "fatal"):
+        raise ValueError("expected one of trace, debug, info, warning, error, fatal")
+    return low
+
+
+KNOBS: Tuple[Knob, ...] = (
+    Knob("fusion_threshold_bytes", "MPIDP_FUSION_THRESHOLD_BYTES", _nonneg_int, 4 * MiB,
+         "Most bytes packed into one fusion buffer; 0 disables fusion. 4 MiB, not Horovod's "
+         "128 MiB: buffers that leave the cache reduce at a third of the speed here "
+         "(BENCHMARKS.md, fusion sweep).", horovod="HOROVOD_FUSION_THRESHOLD"),
+    Knob("fuse_below_bytes", "MPIDP_FUSE_BELOW_BYTES", _nonneg_int, 64 * 1024,
+         "Only tensors smaller than this are fused; larger ones are reduced on their own, in "
+         "place, with no copy: per-tensor calls beat pack+unpack once a tensor is "
+         "bandwidth-bound (BENCHMARKS.md).", ),
+    Knob("chunk_bytes", "MPIDP_CHUNK_BYTES", _nonneg_int, 4 * MiB,
+         "A tensor reduced on its own is cut into chunks of this many bytes, each one "
+         "collective on a slice in place; 0 means never chunk. Cache-sized chunks run at about "
+         "twice the bandwidth of one 64 MB call here (BENCHMARKS.md).", ),
+    Knob("cycle_time_ms", "MPIDP_CYCLE_TIME_MS", _nonneg_float, 0.0,
+         "Shortest time between the starts of two engine cycles while work flows. 0 (Horovod: "
+         "1 ms) because the cycle wakes on submission: a fixed wait adds directly to the latency "
+         "of every blocking op.", horovod="HOROVOD_CYCLE_TIME"),
+    Knob("idle_backoff_max_ms", "MPIDP_IDLE_BACKOFF_MAX_MS", _nonneg_float, 5.0,
+         "An idle engine sleeps between cycles, doubling up to this many ms, so it costs well "
+         "under 2 % of a core; the first op after a long idle spell waits at most this long "
+         "for its peers."),
+    Knob("cache_capacity", "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
+         "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
+         horovod="HOROVOD_CACHE_CAPACITY"),
+    Knob("stall_warning_s", "MPIDP_STALL_WARNING_S", _nonneg_float, 60.0,
+         "Seconds a tensor may wait for missing ranks before rank 0 logs which ranks and "
+         "tensors are missing; 0 disables the check.",
+         horovod="HOROVOD_STALL_CHECK_TIME_SECONDS"),
+    Knob("stall_shutdown_s", "MPIDP_STALL_SHUTDOWN_S", _nonneg_float, 0.0,
+         "Seconds after which a stalled tensor shuts the engine down and fails every pending "
+         "op; 0 means never.", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+    Knob("log_level", "MPIDP_LOG_LEVEL", _log_level, "warning",
+         "Level of mpidp's rank-prefixed log.", horovod="HOROVOD_LOG_LEVEL", must_agree=False),
+)
+
+_BY_FIELD: Dict[str, Knob] = {k.field: k for k in KNOBS}
+
+
+@dataclasses.dataclass
+class Config:
+    """Values of every knob for one init(); built by `load`."""
+
+    fusion_threshold_bytes: int
+    fuse_below_bytes: int
+    chunk_bytes: int
+    cycle_time_ms: float
+    idle_backoff_max_ms: float
+    cache_capacity: int
+    stall_warning_s: float
+    stall_shutdown_s: float
+    log_level: str
+    explicit: frozenset = frozenset()  # fields set through the environment or overrides
+
+    def agreed_items(self) -> Tuple[Tuple[str, object], ...]:
+        """The (field, value) pairs every rank must agree on."""
+        return tuple((k.field, getattr(self, k.field)) for k in KNOBS if k.must_agree)
+
+
+def _read_env(knob: Knob, env: Mapping[str, str]):
+    for var in (knob.env, knob.horovod):
+        if var and var in env:
+            return var, env[var]
+    return None, None
+
+
+def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
+    """Build a Config from MPIDP_* (or HOROVOD_* alias) variables, then keyword overrides.
+
+    A malformed value raises ConfigError naming the variable, the value and what is accepted.
+    """
+    env = os.environ if env is None else env
+    values = {}
+    explicit = set()
+    for knob in KNOBS:
+        var, raw = _read_env(knob, env)
+        if var is None:
+            values[knob.field] = knob.default
+            continue
+        try:
+            values[knob.field] = knob.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{var}={raw!r} is not valid: {exc}. {knob.doc}") from None
+        explicit.add(knob.field)
+    for field, value in overrides.items():
+        if field not in _BY_FIELD:
+            raise ConfigError(f"unknown mpidp knob {field!r}; known: {sorted(_BY_FIELD)}")
+        values[field] = value
+        explicit.add(field)
+    return Config(explicit=frozenset(explicit), **values)
+
+
+def describe() -> str:
+    """A table of every knob, its variables, default and doc (used by docs and `doctor`)."""
+    lines = []
+    for k in KNOBS:
+        alias = f" (alias {k.horovod})" if k.horovod else ""
+        lines.append(f"{k.env}{alias} = {k.default!r}: {k.doc}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""What the engine thread runs: queue, negotiation, cache, fusion and data paths."""

@@ -1,0 +1,1 @@
+"""Data paths behind one interface: `execute(batch, entries)` runs a negotiated batch."""

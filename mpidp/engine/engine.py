@@ -1,0 +1,266 @@
+"""The engine thread: drain, negotiate (cache bits, then coordinator), fuse, execute, complete."""
+
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..errors import EngineShutdownError, MismatchError
+from ..log import logger
+from . import fusion, mpi
+from .backends.host import HostBackend
+from .messages import JOIN_NAME, OpType, Response
+from .negotiation import MessageTable
+from .response_cache import HIT, INVALID, ResponseCache
+from .stall import StallInspector
+from .tensor_queue import Entry, TensorQueue
+
+# Status flags travel inverted in the AND-reduced vector, which makes the AND an OR for them.
+F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED = 1, 2, 4, 8
+_CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
+              OpType.REDUCESCATTER)
+_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _pack_bits(bits, words: int) -> np.ndarray:
+    flags = np.zeros(words * 64, dtype=np.uint8)
+    if bits:
+        flags[list(bits)] = 1
+    return np.packbits(flags, bitorder="little").view(np.uint64)
+
+
+def _unpack_bits(vec: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(vec.view(np.uint8), bitorder="little"))
+
+
+class Engine:
+    """One per init(); all of its MPI calls happen on its own thread, on its own communicators."""
+
+    def __init__(self, comms, config):
+        self.comms = comms
+        self.config = config
+        self.rank, self.size = comms.rank, comms.size
+        self.queue = TensorQueue()
+        self.cache = ResponseCache(config.cache_capacity)
+        self.table = MessageTable(self.size) if self.rank == 0 else None
+        self.stall = StallInspector(self.size, config.stall_warning_s, config.stall_shutdown_s)
+        self.backend = HostBackend(comms.world, config)
+        self.pending: Dict[str, Entry] = {}
+        self.cached: Dict[int, Entry] = {}   # bit -> entry waiting on the fast path
+        self.to_send: List[Entry] = []
+        self.invalid = set()
+        self.joined = False
+        self.cycles = 0
+        self._stop = False
+        self.error: Optional[BaseException] = None  # why the engine stopped, once it has
+        self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
+
+    # ---- user-thread side ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, entries: List[Entry]) -> None:
+        """Enqueue; raises the engine's stop reason if it has stopped."""
+        self.queue.push(entries)
+
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """Ask every rank's engine to stop at the next cycle; True once this thread has ended."""
+        self._stop = True
+        self.queue.wake.set()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        reason = None
+        clean = False
+        try:
+            backoff = 0.0
+            max_backoff = self.config.idle_backoff_max_ms / 1000.0
+            cycle_time = self.config.cycle_time_ms / 1000.0
+            while reason is None:
+                start = time.perf_counter()
+                busy, reason = self._cycle()
+                if reason is not None:
+                    break
+                if busy:
+                    backoff = 0.0
+                    rest = cycle_time - (time.perf_counter() - start)
+                    if rest > 0:
+                        time.sleep(rest)
+                else:
+                    # Idle: sleep unless woken by a submission; a longer idle sleeps longer.
+                    backoff = min(max_backoff, max(5e-5, backoff * 2))
+                    self.queue.wake.wait(backoff)
+            clean = True
+        except BaseException as exc:  # the engine must never die silently
+            logger.error("engine failed:\n%s", traceback.format_exc())
+            reason = EngineShutdownError(f"mpidp's engine failed on rank {self.rank}: "
+                                         f"{type(exc).__name__}: {exc}")
+        self.error = reason
+        self._fail_all(reason)
+        if clean:
+            self.comms.free()
+
+    def _fail_all(self, reason: BaseException) -> None:
+        leftovers = self.queue.close(reason)
+        for entry in list(self.pending.values()) + leftovers:
+            entry.handle.set_error(reason)
+        self.pending.clear()
+        self.cached.clear()
+        self.to_send.clear()
+
+    def _admit(self, entry: Entry) -> None:
+        req = entry.request
+        self.pending[req.name] = entry
+        if req.op == OpType.JOIN:
+            self.joined = True
+        elif req.cacheable and self.cache.capacity:
+            status, bit = self.cache.lookup(req.name, entry.cache_key)
+            if status == HIT:
+                entry.bit = bit
+                self.cached[bit] = entry
+                return
+            if status == INVALID:
+                self.invalid.add(bit)
+        self.to_send.append(entry)
+
+    def _unbit(self, bit: int) -> None:
+        """A cache bit went away: whatever waited on it goes to the coordinator instead."""
+        entry = self.cached.pop(bit, None)
+        if entry is not None:
+            entry.bit = -1
+            self.to_send.append(entry)
+
+    def _oldest_age(self) -> float:
+        if not self.pending:
+            return 0.0
+        return time.monotonic() - min(e.submitted for e in self.pending.values())
+
+    def _cycle(self):
+        self.queue.wake.clear()
+        for entry in self.queue.drain():
+            self._admit(entry)
+        self.cycles += 1
+        words = (self.cache.num_bits + 63) // 64
+        flags = 0
+        if self.to_send:
+            flags |= F_UNCACHED
+        if self._stop:
+            flags |= F_SHUTDOWN
+        if self.joined:
+            flags |= F_JOINED
+        if self.pending and self.stall.should_raise(self._oldest_age()):
+            flags |= F_STALL
+        vec = np.empty(2 * words + 1, dtype=np.uint64)
+        vec[:words] = _pack_bits(self.cached, words)
+        vec[words:2 * words] = ~_pack_bits(self.invalid, words)
+        vec[-1] = ~np.uint64(flags)
+        self.invalid = set()
+        mpi.allreduce_band(self.comms.control, vec)
+        flags = int(~vec[-1])
+        if flags & F_SHUTDOWN:
+            return False, EngineShutdownError(
+                "mpidp was shut down (a rank called mpidp.shutdown()) while this op was pending; "
+                "call mpidp.init() again on every rank to continue")
+        invalid = _unpack_bits(~vec[words:2 * words])
+        for bit in invalid:
+            self.cache.evict(int(bit))
+            self._unbit(int(bit))
+        responses: List[Response] = []
+        if not flags & F_JOINED:
+            for bit in _unpack_bits(vec[:words]):
+                bit = int(bit)
+                responses.append(self.cache.response(bit))
+                self.cache.touch(bit)
+                del self.cached[bit]
+        if flags & (F_UNCACHED | F_STALL | F_JOINED) or len(invalid):
+            responses.extend(self._slow_path(flags))
+        stop = None
+        if responses and responses[-1].op == OpType.SHUTDOWN:
+            stop = EngineShutdownError(responses.pop().error)
+        self._execute(responses)
+        return bool(responses or self.pending), stop
+
+    def _slow_path(self, flags: int) -> List[Response]:
+        if flags & F_JOINED:
+            for bit in list(self.cached):
+                self._unbit(bit)
+        requests = [e.request for e in self.to_send]
+        for entry in self.to_send:
+            entry.sent = True
+        self.to_send = []
+        snapshot = None
+        if flags & F_STALL:
+            now = time.monotonic()
+            snapshot = [(name, now - e.submitted) for name, e in self.pending.items()]
+        gathered = mpi.gather_objects(self.comms.control, (requests, snapshot), 0)
+        responses = None
+        if self.rank == 0:
+            for rank, (reqs, _) in enumerate(gathered):
+                self.table.add(rank, reqs)
+            responses = self.table.ready()
+            if flags & F_STALL:
+                reason = self.stall.inspect({r: snap for r, (_, snap) in enumerate(gathered)},
+                                            self.table.joined)
+                if reason:
+                    responses.append(Response("", OpType.SHUTDOWN, error=reason))
+        responses = mpi.bcast_object(self.comms.control, responses, 0)
+        for resp in responses:
+            if resp.op in _CACHEABLE and resp.request.cacheable:
+                entry = self.pending.get(resp.name)
+                key = entry.cache_key if entry is not None else resp.request.signature()
+                evicted = self.cache.put(resp, key)
+                if evicted is not None:
+                    self._unbit(evicted)
+                bit = self.cache.lookup(resp.name, key)[1]
+                # Executed now, so it must not also wait on the bit it was just given.
+                self.cached.pop(bit, None)
+        return responses
+
+    def _complete(self, entry: Optional[Entry], result=None, error=None) -> None:
+        if entry is None:
+            return
+        self.pending.pop(entry.request.name, None)
+        self.queue.finished(entry.request.name)
+        if error is not None:
+            entry.handle.set_error(error)
+        else:
+            entry.handle.set_result(result)
+
+    def _execute(self, responses: List[Response]) -> None:
+        data = []
+        for resp in responses:
+            entry = self.pending.get(resp.name)
+            if resp.op == OpType.ERROR:
+                self._complete(entry, error=MismatchError(resp.error))
+            elif resp.op == OpType.JOIN:
+                self.joined = False
+                self._complete(self.pending.get(JOIN_NAME), result=resp.last_joined)
+            elif entry is None and resp.op == OpType.BARRIER:
+                continue  # this rank is joined: the others' barrier needs nothing from it
+            elif entry is None and resp.op != OpType.ALLREDUCE:
+                raise AssertionError(f"response {resp.name!r} has no local entry on rank "
+                                     f"{self.rank}")
+            else:
+                data.append(resp)
+        cfg = self.config
+        for batch in fusion.plan(data, cfg.fuse_below_bytes, cfg.fusion_threshold_bytes):
+            entries = [self.pending.get(r.name) for r in batch]
+            try:
+                results = self.backend.execute(batch, entries)
+            except Exception as exc:  # a bad buffer fails its ops, not the engine
+                logger.error("%s failed:\n%s", batch[0].name, traceback.format_exc())
+                for entry in entries:
+                    self._complete(entry, error=EngineShutdownError(
+                        f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))
+                continue
+            for entry, result in zip(entries, results):
+                self._complete(entry, result=result)

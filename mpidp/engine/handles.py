@@ -1,0 +1,82 @@
+"""Handles: one per submitted tensor, completed by the engine; the user holds an integer for a group."""
+
+import itertools
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..errors import OpTimeoutError
+
+
+class Handle:
+    """Completion of one tensor's op; the engine calls `set_result` or `set_error` once."""
+
+    __slots__ = ("name", "_event", "_result", "_error")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._event = threading.Event()
+        self._result = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set_result(self, result) -> None:
+        self._result = result
+        self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until completed; raise its error (a fresh copy per waiter) or OpTimeoutError."""
+        if not self._event.wait(timeout):
+            raise OpTimeoutError(
+                f"op {self.name!r} did not complete within {timeout:g} s and is still pending; "
+                f"call synchronize() again, and check the other ranks (see mpidp's stall "
+                f"warning in the log)")
+        if self._error is not None:
+            raise type(self._error)(*self._error.args)
+        return self._result
+
+
+class HandleTable:
+    """Integer handles as Horovod returns them: each names the member handles of one user op."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._ops: Dict[int, Tuple[List[Handle], Callable[[list], Any]]] = {}
+
+    def register(self, members: List[Handle], finish: Callable[[list], Any]) -> int:
+        hid = next(self._ids)
+        self._ops[hid] = (members, finish)
+        return hid
+
+    def _get(self, hid: int):
+        try:
+            return self._ops[hid]
+        except (KeyError, TypeError):
+            raise ValueError(f"handle {hid!r} is unknown: it was already synchronized, or it "
+                             f"belongs to an earlier init()") from None
+
+    def poll(self, hid: int) -> bool:
+        return all(h.done() for h in self._get(hid)[0])
+
+    def wait(self, hid: int, timeout: Optional[float] = None):
+        """Results of every member passed through the op's finish; the handle is then spent."""
+        members, finish = self._get(hid)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            results = [h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                       for h in members]
+        except OpTimeoutError:
+            raise
+        except BaseException:
+            self._ops.pop(hid, None)
+            raise
+        self._ops.pop(hid, None)
+        return finish(results)

@@ -1,0 +1,132 @@
+"""The engine's MPI module: the only engine code that touches mpi4py (communicators, polling, wire calls)."""
+
+import pickle
+import time
+from typing import List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .messages import ReduceOp
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+# MPI's arithmetic ops are not defined on C_BOOL; the logical ones are what Sum/Min/... mean there.
+_BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.AVERAGE: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+             ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND}
+
+# Spin on Test() this long before sleeping: peers that are in step answer within microseconds,
+# while one sleep costs about 100 us on Linux, whatever it asks for.
+_SPIN_S = 200e-6
+_SLEEP_MAX_S = 1e-3
+
+
+def mpi_op(reduce_op: int, is_bool: bool):
+    return (_BOOL_OPS if is_bool else _MPI_OPS)[ReduceOp(reduce_op)]
+
+
+def wait(request) -> None:
+    """Complete a non-blocking MPI request: spin briefly, then poll with a bounded back-off."""
+    if request.Test():
+        return
+    end = time.perf_counter() + _SPIN_S
+    while time.perf_counter() < end:
+        if request.Test():
+            return
+    delay = 20e-6
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(delay * 2, _SLEEP_MAX_S)
+
+
+class Comms:
+    """mpidp's private communicators: a duplicate of the user's, its local and cross splits."""
+
+    def __init__(self, base, simulated_local_size: int = 0):
+        self.world = base.Dup()
+        self.rank = self.world.Get_rank()
+        self.size = self.world.Get_size()
+        self.local = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.cross = self.world.Split(color=self.local.Get_rank(), key=self.rank)
+        # Negotiation traffic gets its own communicator so it never matches data collectives.
+        self.control = self.world.Dup()
+        self.local_sizes = self.world.allgather(self.local.Get_size())
+
+    def free(self) -> None:
+        for comm in (self.control, self.cross, self.local, self.world):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
+    def agree(self, obj) -> List:
+        """Blocking allgather of a small object (init-time checks only)."""
+        return self.world.allgather(obj)
+
+
+# ---- negotiation (on the control communicator, non-blocking and polled) ----
+
+def allreduce_band(comm, vec: np.ndarray) -> None:
+    """Bitwise AND of a uint64 vector across ranks, in place."""
+    wait(comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND))
+
+
+def gather_objects(comm, obj, root: int) -> Optional[list]:
+    """Gather one picklable object per rank at `root` (lengths, then bytes)."""
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    size = comm.Get_size()
+    is_root = comm.Get_rank() == root
+    lengths = np.zeros(size, dtype=np.int64) if is_root else None
+    wait(comm.Igather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
+                      [lengths, MPI.INT64_T] if is_root else None, root=root))
+    if is_root:
+        buf = np.empty(int(lengths.sum()), dtype=np.uint8)
+        wait(comm.Igatherv([data, MPI.BYTE], [buf, (lengths, None), MPI.BYTE], root=root))
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        return [pickle.loads(buf[offsets[i]:offsets[i + 1]].tobytes()) for i in range(size)]
+    wait(comm.Igatherv([data, MPI.BYTE], None, root=root))
+    return None
+
+
+def bcast_object(comm, obj, root: int):
+    """Broadcast a picklable object from `root` (length, then bytes)."""
+    is_root = comm.Get_rank() == root
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
+                         dtype=np.uint8) if is_root else None
+    length = np.array([data.size if is_root else 0], dtype=np.int64)
+    wait(comm.Ibcast([length, MPI.INT64_T], root=root))
+    if not is_root:
+        data = np.empty(int(length[0]), dtype=np.uint8)
+    wait(comm.Ibcast([data, MPI.BYTE], root=root))
+    return obj if is_root else pickle.loads(data.tobytes())
+
+
+# ---- data path on host memory (blocking: after negotiation every rank is in step) ----
+
+def allreduce(comm, send: Optional[np.ndarray], recv: np.ndarray, op) -> None:
+    """Allreduce into `recv`; `send=None` means in place."""
+    comm.Allreduce(MPI.IN_PLACE if send is None else send, recv, op=op)
+
+
+def allgatherv(comm, send: np.ndarray, recv: np.ndarray, counts) -> None:
+    comm.Allgatherv(send, [recv, (counts, None)])
+
+
+def bcast(comm, buf: np.ndarray, root: int) -> None:
+    comm.Bcast(buf, root=root)
+
+
+def alltoall_counts(comm, send_counts: np.ndarray) -> np.ndarray:
+    recv = np.empty_like(send_counts)
+    comm.Alltoall(send_counts, recv)
+    return recv
+
+
+def alltoallv(comm, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts) -> None:
+    comm.Alltoallv([send, (send_counts, None)], [recv, (recv_counts, None)])
+
+
+def reduce_scatter(comm, send: np.ndarray, recv: np.ndarray, counts, op) -> None:
+    comm.Reduce_scatter(send, recv, list(counts), op=op)
+
+
+def barrier(comm) -> None:
+    comm.Barrier()

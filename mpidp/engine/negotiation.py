@@ -1,0 +1,120 @@
+"""The coordinator's pure logic: count which ranks submitted each name, validate, order responses."""
+
+import time
+from typing import Dict, List, Sequence
+
+from .messages import JOIN_NAME, OP_NAMES, OpType, ReduceOp, Request, Response, op_label
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def _describe(field: str, request: Request):
+    if field == "op":
+        return OP_NAMES.get(OpType(request.op), str(request.op))
+    if field == "reduce_op":
+        return ReduceOp(request.reduce_op).name.capitalize()
+    if field == "shape":
+        return f"shape {tuple(request.shape)} {request.dtype}"
+    if field == "trailing":
+        return f"shape (*, {', '.join(map(str, request.shape[1:]))}) {request.dtype}" \
+            if len(request.shape) > 1 else f"shape {tuple(request.shape)} {request.dtype}"
+    if field == "device":
+        return f"device {request.device.split(':')[0]}"
+    return f"{field} {getattr(request, field)!r}"
+
+
+def _fields(op: int) -> List[str]:
+    fields = ["op", "dtype", "device"]
+    if op in (OpType.ALLREDUCE, OpType.BROADCAST, OpType.REDUCESCATTER):
+        fields.append("shape")
+    if op in (OpType.ALLGATHER, OpType.ALLTOALL):
+        fields.append("trailing")
+    if op in (OpType.ALLREDUCE, OpType.REDUCESCATTER):
+        fields += ["reduce_op", "prescale", "postscale"]
+    if op == OpType.BROADCAST:
+        fields.append("root")
+    return fields
+
+
+def _key(field: str, request: Request):
+    if field == "device":
+        return request.device.split(":")[0]
+    if field == "trailing":
+        return (len(request.shape) > 0, tuple(request.shape[1:]), request.dtype)
+    if field == "shape":
+        return (tuple(request.shape), request.dtype)
+    return getattr(request, field)
+
+
+def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
+    """Empty string if the ranks' requests agree, else one message naming tensor, ranks and field."""
+    first = requests[min(requests)]
+    label = op_label(first)
+    for field in _fields(first.op) if all(r.op == first.op for r in requests.values()) else ["op"]:
+        groups: Dict[object, List[int]] = {}
+        for rank, req in requests.items():
+            groups.setdefault(_key(field, req), []).append(rank)
+        if len(groups) > 1:
+            parts = [f"{_ranks(ranks)} sent {_describe(field, requests[ranks[0]])}"
+                     for ranks in sorted(groups.values())]
+            return f"{label}: " + ", ".join(parts)
+    if joined and first.op not in (OpType.ALLREDUCE, OpType.BARRIER):
+        return (f"{label}: {_ranks(joined)} already called join(); only allreduce may run while "
+                f"ranks are joined")
+    if first.op == OpType.BROADCAST and first.root in joined:
+        return f"{label}: root rank {first.root} already called join()"
+    if first.op == OpType.ALLREDUCE and joined and first.reduce_op in (ReduceOp.MIN, ReduceOp.MAX,
+                                                                          ReduceOp.PRODUCT):
+        # Zeros from joined ranks would silently change a min, max or product.
+        return (f"{label}: reduce op {ReduceOp(first.reduce_op).name.capitalize()} cannot run "
+                f"while {_ranks(joined)} are joined (they contribute zeros); use Sum or Average")
+    return ""
+
+
+class MessageTable:
+    """Rank 0's table of submissions not yet answered, in order of first arrival."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.table: Dict[str, Dict[int, Request]] = {}
+        self.first_seen: Dict[str, float] = {}
+        self.joined: List[int] = []
+
+    def add(self, rank: int, requests: Sequence[Request]) -> None:
+        for req in requests:
+            if req.op == OpType.JOIN:
+                if rank not in self.joined:
+                    self.joined.append(rank)
+                continue
+            slot = self.table.setdefault(req.name, {})
+            self.first_seen.setdefault(req.name, time.monotonic())
+            slot[rank] = req
+
+    def ready(self) -> List[Response]:
+        """Responses for every name now submitted by all ranks that have not joined, in order."""
+        joined = set(self.joined)
+        out = []
+        for name in list(self.table):
+            slot = self.table[name]
+            if len(slot) + len(joined - set(slot)) < self.size:
+                continue
+            del self.table[name]
+            del self.first_seen[name]
+            error = validate(slot, sorted(joined - set(slot)))
+            first = slot[min(slot)]
+            if error:
+                out.append(Response(name, OpType.ERROR, first, error=error))
+                continue
+            dims = ()
+            if first.op == OpType.ALLGATHER:
+                dims = tuple(slot[r].shape[0] if slot[r].shape else 1 for r in range(self.size))
+            out.append(Response(name, first.op, first, first_dims=dims,
+                                joined=tuple(sorted(joined - set(slot)))))
+        if len(self.joined) == self.size:
+            out.append(Response(JOIN_NAME, OpType.JOIN, Request(JOIN_NAME, OpType.JOIN),
+                                last_joined=self.joined[-1]))
+            self.joined = []
+        return out

@@ -1,0 +1,73 @@
+"""The stall inspector (rank 0): names ops some ranks submitted and others did not, and when to give up."""
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..log import logger
+
+Snapshot = Sequence[Tuple[str, float]]  # one rank's pending (name, age in seconds)
+
+
+def _ranks(ranks) -> str:
+    return ",".join(map(str, sorted(ranks)))
+
+
+class StallInspector:
+    """Warns once per stalled name; returns a shutdown reason once a stall outlives the limit."""
+
+    def __init__(self, size: int, warning_s: float, shutdown_s: float):
+        self.size = size
+        self.warning_s = warning_s
+        self.shutdown_s = shutdown_s
+        self._warned: Dict[str, float] = {}
+        self._last_raise = 0.0
+
+    def enabled(self) -> bool:
+        return self.warning_s > 0 or self.shutdown_s > 0
+
+    def should_raise(self, oldest_age: float) -> bool:
+        """Whether this rank should ask for a stall check now (rate-limited)."""
+        if not self.enabled() or oldest_age <= 0:
+            return False
+        limits = [t for t in (self.warning_s, self.shutdown_s) if t > 0]
+        threshold = min(limits)
+        now = time.monotonic()
+        if oldest_age >= threshold and now - self._last_raise >= min(1.0, threshold / 2):
+            self._last_raise = now
+            return True
+        return False
+
+    def inspect(self, snapshots: Dict[int, Snapshot], joined: Sequence[int]) -> Optional[str]:
+        """Log stalled names with their missing ranks; return a shutdown reason if one is due."""
+        present: Dict[str, List[int]] = {}
+        age: Dict[str, float] = {}
+        for rank, items in snapshots.items():
+            for name, a in items:
+                present.setdefault(name, []).append(rank)
+                age[name] = max(age.get(name, 0.0), a)
+        stalled = []
+        for name, ranks in present.items():
+            missing = set(range(self.size)) - set(ranks) - set(joined)
+            if missing:
+                stalled.append((age[name], name, ranks, missing))
+        stalled.sort(reverse=True)
+        lines = [f"  {name!r}: waited {a:.1f} s; missing ranks {_ranks(missing)} "
+                 f"(submitted by {_ranks(ranks)})" for a, name, ranks, missing in stalled]
+        if self.warning_s > 0:
+            # Forget names that completed, so the same name stalling in a later step warns again.
+            self._warned = {n: a for n, a in self._warned.items() if n in present}
+            fresh = [line for (a, name, _, _), line in zip(stalled, lines)
+                     if a >= self.warning_s and name not in self._warned]
+            for a, name, _, _ in stalled:
+                if a >= self.warning_s:
+                    self._warned.setdefault(name, a)
+            if fresh:
+                logger.warning(
+                    "stall: %d op(s) submitted by some ranks but not others for more than "
+                    "%.0f s (a rank is slow, stuck, or submits different names):\n%s",
+                    len(fresh), self.warning_s, "\n".join(fresh))
+        if self.shutdown_s > 0 and stalled and stalled[0][0] >= self.shutdown_s:
+            a, name, ranks, missing = stalled[0]
+            return (f"stall: op {name!r} waited {a:.1f} s for ranks {_ranks(missing)} "
+                    f"(MPIDP_STALL_SHUTDOWN_S={self.shutdown_s:g}); shutting the engine down")
+        return None

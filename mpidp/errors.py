@@ -1,0 +1,33 @@
+"""mpidp's error types: every one says who, what, and how to fix it."""
+
+
+class MpidpError(RuntimeError):
+    """Root of mpidp's own errors."""
+
+
+class ConfigError(MpidpError, ValueError):
+    """A malformed MPIDP_*/HOROVOD_* value or an unknown knob."""
+
+
+class NotInitializedError(MpidpError, ValueError):
+    """mpidp was used before init() or after shutdown()."""
+
+
+class CollectiveError(MpidpError):
+    """A collective failed on every rank: a cross-rank mismatch or an engine failure."""
+
+
+class MismatchError(CollectiveError):
+    """Ranks submitted incompatible requests under one name (dtype, shape, op, root...)."""
+
+
+class EngineShutdownError(CollectiveError):
+    """The engine stopped (shutdown, stall, internal failure) before the op completed."""
+
+
+class OpTimeoutError(CollectiveError, TimeoutError):
+    """synchronize(handle, timeout=...) ran out of time; the op is still pending."""
+
+
+# Horovod's name for a failed collective; scripts catch it in their elastic loops.
+HorovodInternalError = CollectiveError

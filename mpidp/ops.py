@@ -1,0 +1,324 @@
+"""Asynchronous collectives on torch tensors: validate, enqueue, return a handle; poll and synchronize."""
+
+import warnings
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from . import runtime
+from .engine.handles import Handle
+from .engine.messages import JOIN_NAME, OpType, ReduceOp, Request
+from .engine.tensor_queue import Entry
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
+
+SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in SUPPORTED_DTYPES}
+
+
+def _check_tensor(tensor, what: str, inplace: bool) -> torch.Tensor:
+    """The tensor the engine may read (and write, if in place), or a clear TypeError/ValueError."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what}: sparse tensors are not supported here; call "
+                        f"tensor.to_dense() first")
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported; use one of "
+                        f"{', '.join(_DTYPE_NAMES.values())}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what}: tensor is on {tensor.device}, but this build of mpidp moves "
+                         f"host memory only; call .cpu() first")
+    if not tensor.is_contiguous():
+        if inplace:
+            raise ValueError(f"{what}: in-place ops need a contiguous tensor (this one has "
+                             f"strides {tensor.stride()}); call .contiguous() and use the result, "
+                             f"or use the out-of-place form, which copies")
+        tensor = tensor.contiguous()
+    return tensor.detach()
+
+
+def _resolve_op(average, op, what: str) -> ReduceOp:
+    if average is not None and op is not None:
+        raise ValueError(f"{what}: give either op= or the deprecated average=, not both")
+    if average is not None:
+        warnings.warn("average= is deprecated; use op=mpidp.Average or op=mpidp.Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    if op is None:
+        return Average
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{what}: unknown reduce op {op!r}; use mpidp.Average, Sum, Min, Max "
+                         f"or Product") from None
+    if op == Adasum:
+        raise ValueError(f"{what}: Adasum is not supported by mpidp; use mpidp.Average")
+    return op
+
+
+def _check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, what: str):
+    if tensor.dtype == torch.bool and op == Average:
+        raise TypeError(f"{what}: Average is not defined for bool tensors; use Sum (logical or) "
+                        f"or Min (logical and)")
+    if (pre != 1.0 or post != 1.0) and not tensor.is_floating_point():
+        raise TypeError(f"{what}: prescale/postscale factors need a floating-point tensor, "
+                        f"not {tensor.dtype}")
+
+
+def _name(state, name: Optional[str], what: str):
+    if name is None:
+        return state.auto_name(), False
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what}: name must be a non-empty string, got {name!r}")
+    return name, True
+
+
+def _request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=1.0, root=-1):
+    return Request(name, int(op), _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape),
+                   str(tensor.device), int(reduce_op), float(pre), float(post), int(root),
+                   cacheable)
+
+
+def _submit(state, entries: List[Entry], finish) -> int:
+    state.engine.submit(entries)
+    return state.handles.register([e.handle for e in entries], finish)
+
+
+def _entry(request, tensor, output, extra=None) -> Entry:
+    return Entry(request, tensor, output, Handle(request.name), extra)
+
+
+def _first(results):
+    return results[0]
+
+
+# ---- allreduce ----
+
+def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, inplace,
+                       what="allreduce"):
+    state = runtime.state()
+    reduce_op = _resolve_op(average, op, what)
+    base, cacheable = _name(state, name, what)
+    entries = []
+    for i, tensor in enumerate(tensors):
+        label = base if len(tensors) == 1 and what == "allreduce" else f"{base}.{i}"
+        t = _check_tensor(tensor, f"{what} {label!r}", inplace)
+        _check_reduction(t, reduce_op, prescale_factor, postscale_factor, f"{what} {label!r}")
+        out = t if inplace else torch.empty_like(t)
+        req = _request(label, cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
+                       postscale_factor)
+        entries.append(_entry(req, t, out))
+    return state, entries
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0) -> int:
+    """Start an allreduce into a new tensor; returns a handle. No synchronization until
+    synchronize(handle), which blocks until every rank has submitted the same name."""
+    state, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
+                                        postscale_factor, False)
+    return _submit(state, entries, _first)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0) -> int:
+    """Start an in-place allreduce of `tensor`; returns a handle (see allreduce_async)."""
+    state, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
+                                        postscale_factor, True)
+    return _submit(state, entries, _first)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0) -> int:
+    """Start allreduces of a list, submitted atomically; synchronize() returns a list."""
+    state, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
+                                        postscale_factor, False, "grouped_allreduce")
+    return _submit(state, entries, list)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0) -> int:
+    """In-place form of grouped_allreduce_async."""
+    state, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
+                                        postscale_factor, True, "grouped_allreduce")
+    return _submit(state, entries, list)
+
+
+# ---- allgather ----
+
+def _allgather_entries(tensors, name, what):
+    state = runtime.state()
+    base, cacheable = _name(state, name, what)
+    entries = []
+    for i, tensor in enumerate(tensors):
+        label = base if what == "allgather" else f"{base}.{i}"
+        t = _check_tensor(tensor, f"{what} {label!r}", False)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        entries.append(_entry(_request(label, cacheable, OpType.ALLGATHER, t), t, None))
+    return state, entries
+
+
+def allgather_async(tensor, name=None) -> int:
+    """Start gathering every rank's tensor along dim 0 (dim 0 may differ); returns a handle."""
+    state, entries = _allgather_entries([tensor], name, "allgather")
+    return _submit(state, entries, _first)
+
+
+def grouped_allgather_async(tensors, name=None) -> int:
+    """Start allgathers of a list, submitted atomically; synchronize() returns a list."""
+    state, entries = _allgather_entries(list(tensors), name, "grouped_allgather")
+    return _submit(state, entries, list)
+
+
+# ---- broadcast ----
+
+def _broadcast(tensor, root_rank, name, inplace) -> int:
+    state = runtime.state()
+    what = "broadcast"
+    base, cacheable = _name(state, name, what)
+    t = _check_tensor(tensor, f"{what} {base!r}", inplace)
+    size = state.comms.size
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"{what} {base!r}: root_rank must be an int, got {root_rank!r}")
+    if not 0 <= root_rank < size:
+        raise ValueError(f"{what} {base!r}: root_rank {root_rank} is out of range; the world "
+                         f"has ranks 0..{size - 1}")
+    out = t if inplace else torch.empty_like(t)
+    req = _request(base, cacheable, OpType.BROADCAST, t, root=root_rank)
+    return _submit(state, [_entry(req, t, out)], _first)
+
+
+def broadcast_async(tensor, root_rank, name=None) -> int:
+    """Start a broadcast from global rank `root_rank` into a new tensor (input untouched)."""
+    return _broadcast(tensor, root_rank, name, False)
+
+
+def broadcast_async_(tensor, root_rank, name=None) -> int:
+    """Start an in-place broadcast from global rank `root_rank`."""
+    return _broadcast(tensor, root_rank, name, True)
+
+
+# ---- alltoall ----
+
+def _check_splits(splits, t: torch.Tensor, size: int, what: str) -> np.ndarray:
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype == torch.bool:
+            raise TypeError(f"{what}: splits must hold integers, not {splits.dtype}")
+        arr = splits.detach().cpu().numpy().reshape(-1)
+    elif isinstance(splits, (list, tuple, np.ndarray)):
+        arr = np.asarray(splits)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{what}: splits must be integers, got {list(splits)!r}")
+        arr = arr.reshape(-1)
+    else:
+        raise TypeError(f"{what}: splits must be a list or an integer tensor with one entry "
+                        f"per rank, not {type(splits).__name__}")
+    if arr.size != size:
+        raise ValueError(f"{what}: splits has {arr.size} entries but there are {size} ranks; "
+                         f"give one count per rank")
+    if (arr < 0).any():
+        raise ValueError(f"{what}: splits must be >= 0, got {arr.tolist()}")
+    dim0 = t.shape[0] if t.dim() else 1
+    if int(arr.sum()) > dim0:
+        raise ValueError(f"{what}: splits sum to {int(arr.sum())} but the tensor has only "
+                         f"{dim0} rows along dim 0")
+    return arr.astype(np.int32)
+
+
+def alltoall_async(tensor, splits=None, name=None) -> int:
+    """Start an alltoall: rows splits[i] go to rank i. synchronize() returns the output, or
+    (output, received_splits) when `splits` was given."""
+    state = runtime.state()
+    what = "alltoall"
+    base, cacheable = _name(state, name, what)
+    t = _check_tensor(tensor, f"{what} {base!r}", False)
+    if t.dim() == 0:
+        raise ValueError(f"{what} {base!r}: needs at least one dimension to split")
+    size = state.comms.size
+    arr = None
+    if splits is not None:
+        arr = _check_splits(splits, t, size, f"{what} {base!r}")
+    elif t.shape[0] % size:
+        raise ValueError(f"{what} {base!r}: dim 0 ({t.shape[0]}) does not divide evenly among "
+                         f"{size} ranks; pass splits=")
+    req = _request(base, cacheable, OpType.ALLTOALL, t)
+    finish = _first if splits is not None else (lambda results: results[0][0])
+    return _submit(state, [_entry(req, t, None, arr)], finish)
+
+
+# ---- reducescatter ----
+
+def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor, what):
+    state = runtime.state()
+    reduce_op = _resolve_op(None, op, what)
+    if reduce_op not in (Average, Sum):
+        raise ValueError(f"{what}: reduce op {reduce_op.name.capitalize()} is not supported; "
+                         f"use mpidp.Average or mpidp.Sum")
+    base, cacheable = _name(state, name, what)
+    entries = []
+    for i, tensor in enumerate(tensors):
+        label = base if what == "reducescatter" else f"{base}.{i}"
+        t = _check_tensor(tensor, f"{what} {label!r}", False)
+        if t.dim() == 0:
+            raise ValueError(f"{what} {label!r}: cannot scatter a scalar; give a tensor with "
+                             f"at least one dimension")
+        _check_reduction(t, reduce_op, prescale_factor, postscale_factor, f"{what} {label!r}")
+        req = _request(label, cacheable, OpType.REDUCESCATTER, t, reduce_op, prescale_factor,
+                       postscale_factor)
+        entries.append(_entry(req, t, None))
+    return state, entries
+
+
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
+                        postscale_factor=1.0) -> int:
+    """Start a reduce-scatter along dim 0; the first dim0 % size ranks get one extra row."""
+    state, entries = _reducescatter_entries([tensor], name, op, prescale_factor,
+                                            postscale_factor, "reducescatter")
+    return _submit(state, entries, _first)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
+                                postscale_factor=1.0) -> int:
+    """Reduce-scatter a list, submitted atomically; synchronize() returns a list."""
+    state, entries = _reducescatter_entries(list(tensors), name, op, prescale_factor,
+                                            postscale_factor, "grouped_reducescatter")
+    return _submit(state, entries, list)
+
+
+# ---- barrier, join, handles ----
+
+def barrier() -> None:
+    """Block until every rank has called barrier(). Synchronization: all ranks."""
+    state = runtime.state()
+    name = state.auto_name()
+    req = Request(name, int(OpType.BARRIER), cacheable=False)
+    synchronize(_submit(state, [_entry(req, None, None)], _first))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; until every rank has joined, its allreduces
+    contribute zeros to the others'. Blocks until all ranks joined; returns the last to join."""
+    state = runtime.state()
+    req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False)
+    return synchronize(_submit(state, [_entry(req, None, None)], _first))
+
+
+def poll(handle: int) -> bool:
+    """True once the op behind `handle` has completed (synchronize() will not block)."""
+    return runtime.state().handles.poll(handle)
+
+
+def synchronize(handle: int, timeout: Optional[float] = None):
+    """Wait for the op behind `handle` and return its output (a tuple for alltoall with splits,
+    a list for grouped ops). Raises the op's error, the same one on every rank. With `timeout`
+    (seconds), raises OpTimeoutError and keeps the handle valid if the op is still pending."""
+    return runtime.state().handles.wait(handle, timeout)

@@ -1,0 +1,244 @@
+"""Lifecycle and topology: init() starts the engine on duplicated communicators, shutdown() stops it."""
+
+import atexit
+import os
+import threading
+from typing import Optional
+
+from . import config as _config
+from .engine.handles import HandleTable
+from .errors import ConfigError, MpidpError, NotInitializedError
+from .log import configure as _configure_log, logger
+
+
+class _State:
+    """Everything one init() creates; replaced wholesale by the next init()."""
+
+    def __init__(self, comms, engine, cfg, homogeneous: bool):
+        self.comms = comms
+        self.engine = engine
+        self.config = cfg
+        self.homogeneous = homogeneous
+        self.handles = HandleTable()
+        self._lock = threading.Lock()
+        self._noname = 0
+
+    def auto_name(self) -> str:
+        """Unnamed ops match across ranks by submission order: the k-th unnamed op is 'noname.k'."""
+        with self._lock:
+            self._noname += 1
+            return f"noname.{self._noname}"
+
+
+_state: Optional[_State] = None
+_atexit_registered = False
+_init_lock = threading.Lock()
+
+_LAUNCHER_SIZE_VARS = ("SLURM_NTASKS", "SLURM_NPROCS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                       "PMIX_SIZE", "MPI_LOCALNRANKS")
+
+
+def _warn_lonely_world(size: int) -> None:
+    if size != 1:
+        return
+    for var in _LAUNCHER_SIZE_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            hint = (" Under Slurm, start ranks with `srun --mpi=pmi2` (or MpiDefault=pmi2) so "
+                    "MPI finds its peers.") if var.startswith("SLURM") else ""
+            logger.warning("MPI reports a world of size 1, but %s=%s announced %s ranks: each "
+                           "process is running alone.%s", var, value, value, hint)
+            return
+
+
+def _check_thread_level(MPI) -> None:
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_SERIALIZED:
+        names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled"}
+        raise MpidpError(
+            f"MPI was initialised with thread level {names.get(level, level)!r}; mpidp's engine "
+            f"thread needs at least 'serialized'. Unset MPI4PY_RC_THREAD_LEVEL or set it to "
+            f"'multiple' (or set mpi4py.rc.thread_level = 'multiple' before importing "
+            f"mpi4py.MPI).")
+
+
+def _base_comm(MPI, comm):
+    if comm is None:
+        return MPI.COMM_WORLD
+    if isinstance(comm, MPI.Comm):
+        return comm
+    if isinstance(comm, (list, tuple)):
+        ranks = sorted(set(int(r) for r in comm))
+        world = MPI.COMM_WORLD
+        if len(ranks) != len(comm):
+            raise ValueError(f"init(comm={comm!r}): a rank is listed twice")
+        if not ranks or ranks[0] < 0 or ranks[-1] >= world.Get_size():
+            raise ValueError(f"init(comm={comm!r}): ranks must lie in 0..{world.Get_size() - 1}")
+        if world.Get_rank() not in ranks:
+            raise ValueError(f"init(comm={comm!r}) was called on world rank {world.Get_rank()}, "
+                             f"which is not in the list; only listed ranks may call init()")
+        return world.Create_group(world.Get_group().Incl(ranks))
+    raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of world ranks, "
+                    f"not {type(comm).__name__}")
+
+
+def init(comm=None, **overrides) -> None:
+    """Start mpidp on every rank of `comm` (default COMM_WORLD). Collective: all ranks must call it.
+
+    Synchronization: blocking collectives on `comm` (knob agreement, communicator duplication).
+    Keyword overrides set knobs by field name (see mpidp.config). Registers shutdown() at exit.
+    """
+    global _state, _atexit_registered
+    from mpi4py import MPI  # imported here: importing mpidp must not initialise MPI
+
+    from .engine.engine import Engine
+    from .engine.mpi import Comms
+
+    with _init_lock:
+        if _state is not None:
+            return
+        _check_thread_level(MPI)
+        base = _base_comm(MPI, comm)
+        error = None
+        try:
+            cfg = _config.load(**overrides)
+        except ConfigError as exc:
+            error, cfg = str(exc), None
+        # Agree before duplicating, so one rank's bad variable fails every rank instead of a hang.
+        views = base.allgather((error, cfg.agreed_items() if cfg else None))
+        errors = [(r, e) for r, (e, _) in enumerate(views) if e]
+        if errors:
+            raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in errors))
+        for field, value in views[0][1]:
+            differ = [r for r, (_, items) in enumerate(views) if dict(items)[field] != value]
+            if differ:
+                raise ConfigError(
+                    f"knob {field} must be the same on every rank: rank 0 has {value!r}, ranks "
+                    f"{differ} have {[dict(views[r][1])[field] for r in differ]}; set the "
+                    f"variable the same way for the whole job")
+        comms = Comms(base)
+        if comm is not None and base is not comm:
+            base.Free()
+        _configure_log(comms.rank, comms.size, cfg.log_level)
+        _warn_lonely_world(comms.size)
+        homogeneous = len(set(comms.local_sizes)) == 1
+        engine = Engine(comms, cfg)
+        _state = _State(comms, engine, cfg, homogeneous)
+        engine.start()
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        logger.debug("initialised: %d ranks, knobs %s", comms.size, cfg)
+
+
+def shutdown(timeout: float = 60.0) -> None:
+    """Stop the engine on every rank and free mpidp's communicators; idempotent.
+
+    Synchronization: the engine stops at a cycle that all ranks share, so a rank that calls
+    shutdown() ends the other ranks' engines too (their pending ops fail with a clear error).
+    MPI itself stays initialised, so init() may be called again.
+    """
+    global _state
+    with _init_lock:
+        state, _state = _state, None
+    if state is None:
+        return
+    if not state.engine.stop(timeout):
+        logger.warning("shutdown: the engine did not stop within %.0f s (a peer rank is gone or "
+                       "stuck); leaving it behind", timeout)
+
+
+def is_initialized() -> bool:
+    """True between init() and shutdown() on this rank."""
+    return _state is not None
+
+
+def state() -> _State:
+    """The current init()'s state; ValueError telling the user to call init() otherwise."""
+    s = _state
+    if s is None:
+        raise NotInitializedError("mpidp is not initialised: call mpidp.init() first (on every "
+                                  "rank) before using it, and not after mpidp.shutdown()")
+    return s
+
+
+def rank() -> int:
+    """This process's rank in mpidp's world."""
+    return state().comms.rank
+
+
+def size() -> int:
+    """Number of ranks in mpidp's world."""
+    return state().comms.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (MPI shared-memory split)."""
+    return state().comms.local.Get_rank()
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return state().comms.local.Get_size()
+
+
+def cross_rank() -> int:
+    """Index of this host among hosts (rank in the cross communicator)."""
+    return state().comms.cross.Get_rank()
+
+
+def cross_size() -> int:
+    """Number of hosts holding a rank with this local rank."""
+    return state().comms.cross.Get_size()
+
+
+def is_homogeneous() -> bool:
+    """True if every host runs the same number of ranks."""
+    return state().homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    """True if MPI runs at MPI_THREAD_MULTIPLE (the user may call MPI beside mpidp's engine)."""
+    state()
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    """mpidp always moves host data with MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """mpidp is built on MPI (mpi4py)."""
+    return True
+
+
+def gloo_enabled() -> bool:
+    """No gloo data path yet."""
+    return False
+
+
+gloo_built = gloo_enabled
+
+
+def nccl_built() -> bool:
+    """No NCCL data path yet."""
+    return False
+
+
+def cuda_built() -> bool:
+    """No CUDA data path yet: CUDA tensors are refused with a clear error."""
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False

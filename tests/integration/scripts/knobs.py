@@ -1,0 +1,19 @@
+"""Set an environment variable on one rank only (from argv), then init(); report the outcome."""
+
+import os
+import sys
+
+rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+var, value, on_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if rank == on_rank:
+    os.environ[var] = value
+
+import mpidp  # noqa: E402
+
+try:
+    mpidp.init()
+except mpidp.ConfigError as exc:
+    print(f"rank {rank}: ConfigError: {exc}", flush=True)
+    sys.exit(3)
+print(f"rank {rank}: initialised", flush=True)
+mpidp.shutdown()

@@ -1,0 +1,64 @@
+"""Launch-time behaviour under a real mpiexec: knobs, thread level, lonely worlds, stalls, shutdown."""
+
+import pytest
+
+from .launch import ROOT, SCRIPTS, run
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_engine_demo_runs(n):
+    res = run(n, ROOT / "examples" / "engine_demo.py", timeout=120)
+    assert res.returncode == 0, res.output
+    assert f"mpidp engine demo: {n} ranks" in res.stdout
+    assert "all correct after synchronize" in res.stdout
+
+
+def test_malformed_knob_on_one_rank_fails_every_rank():
+    res = run(3, SCRIPTS / "knobs.py", "MPIDP_FUSION_THRESHOLD_BYTES", "lots", 2, timeout=60)
+    assert res.returncode != 0
+    for rank in range(3):
+        line = next(l for l in res.stdout.splitlines() if l.startswith(f"rank {rank}:"))
+        assert "ConfigError" in line and "MPIDP_FUSION_THRESHOLD_BYTES='lots'" in line, line
+
+
+def test_horovod_alias_that_disagrees_across_ranks_is_refused():
+    res = run(2, SCRIPTS / "knobs.py", "HOROVOD_CACHE_CAPACITY", "7", 1, timeout=60)
+    assert res.returncode != 0
+    assert "cache_capacity must be the same on every rank" in res.stdout, res.output
+
+
+def test_thread_level_too_low_names_the_variable():
+    res = run(2, SCRIPTS / "thread_level.py", env={"MPI4PY_RC_THREAD_LEVEL": "single"},
+              timeout=60)
+    assert res.returncode != 0
+    assert "MPI4PY_RC_THREAD_LEVEL" in res.stdout, res.output
+
+
+def test_lonely_world_under_a_launcher_that_announced_more_ranks_warns():
+    res = run(1, SCRIPTS / "thread_level.py", env={"SLURM_NTASKS": "4"}, timeout=60)
+    assert res.returncode == 0, res.output
+    assert "world of size 1" in res.stderr and "SLURM_NTASKS=4" in res.stderr, res.stderr
+    assert "--mpi=pmi2" in res.stderr
+
+
+def test_stall_warning_names_tensor_and_missing_rank():
+    res = run(3, SCRIPTS / "stall.py", "3", env={"MPIDP_STALL_WARNING_S": "1"}, timeout=90)
+    assert res.returncode == 0, res.output
+    assert "stalled.tensor" in res.stderr and "missing ranks 2" in res.stderr, res.stderr
+    assert res.stdout.count("result [3.0, 3.0]") == 3, res.output
+
+
+def test_stall_shutdown_fails_pending_ops_on_every_waiting_rank():
+    res = run(2, SCRIPTS / "stall.py", "never",
+              env={"MPIDP_STALL_WARNING_S": "1", "MPIDP_STALL_SHUTDOWN_S": "2"}, timeout=90)
+    assert "rank 0: EngineShutdownError: stall: op 'stalled.tensor'" in res.stdout, res.output
+    assert "MPIDP_STALL_SHUTDOWN_S=2" in res.stdout
+    assert res.returncode != 0
+
+
+def test_a_rank_that_shuts_down_releases_the_others():
+    res = run(3, SCRIPTS / "peer_shutdown.py", timeout=60)
+    assert res.returncode == 0, res.output
+    for rank in (1, 2):
+        assert f"rank {rank}: EngineShutdownError" in res.stdout, res.output
+        assert f"rank {rank}: later op refused" in res.stdout, res.output
