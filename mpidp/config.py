@@ -47,8 +47,8 @@ def _pos_int(text: str) -> int:
 
 def _nonneg_float(text: str) -> float:
     value = float(text.strip())
-    if not value >= 0.0:  # also rejects nan
-        raise ValueError("must be >= 0")
+    if not 0.0 <= value < float("inf"):  # also rejects nan and inf
+        raise ValueError("must be a finite number >= 0")
     return value
 
 
@@ -143,9 +143,13 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
             raise ConfigError(f"{var}={raw!r} is not valid: {exc}. {knob.doc}") from None
         explicit.add(knob.field)
     for field, value in overrides.items():
-        if field not in _BY_FIELD:
+        knob = _BY_FIELD.get(field)
+        if knob is None:
             raise ConfigError(f"unknown mpidp knob {field!r}; known: {sorted(_BY_FIELD)}")
-        values[field] = value
+        try:
+            values[field] = knob.parse(str(value))
+        except ValueError as exc:
+            raise ConfigError(f"{field}={value!r} is not valid: {exc}. {knob.doc}") from None
         explicit.add(field)
     return Config(explicit=frozenset(explicit), **values)
 

@@ -54,13 +54,19 @@ class StallInspector:
         lines = [f"  {name!r}: waited {a:.1f} s; missing ranks {_ranks(missing)} "
                  f"(submitted by {_ranks(ranks)})" for a, name, ranks, missing in stalled]
         if self.warning_s > 0:
-            # Forget names that completed, so the same name stalling in a later step warns again.
-            self._warned = {n: a for n, a in self._warned.items() if n in present}
-            fresh = [line for (a, name, _, _), line in zip(stalled, lines)
-                     if a >= self.warning_s and name not in self._warned]
-            for a, name, _, _ in stalled:
-                if a >= self.warning_s:
-                    self._warned.setdefault(name, a)
+            # _warned: name -> when the warned instance was first submitted. Forget names that
+            # completed; a name whose start moved on by more than warning_s / 2 is a new stall.
+            now = time.monotonic()
+            self._warned = {n: s for n, s in self._warned.items() if n in present}
+            fresh = []
+            for (a, name, _, _), line in zip(stalled, lines):
+                if a < self.warning_s:
+                    continue
+                start = now - a
+                prev = self._warned.get(name)
+                if prev is None or start - prev >= self.warning_s / 2:
+                    self._warned[name] = start
+                    fresh.append(line)
             if fresh:
                 logger.warning(
                     "stall: %d op(s) submitted by some ranks but not others for more than "

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Runs mpidp's test stages, every one of them even after a failure, then prints one summary
+# line per stage and exits non-zero if any stage failed.
+#
+#   tests/run_suite.sh [unit] [mpi] [integration]      (no argument: all three, in that order)
+#
+# Stages:
+#   unit         python -m pytest tests/unit                        (single process)
+#   mpi          mpiexec -n N python -m pytest --with-mpi tests/mpi  for each N in $NPS
+#   integration  python -m pytest tests/integration                 (tests launch mpiexec themselves)
+#
+# Environment knobs:
+#   NPS="1 2 3 4"          world sizes for the mpi stage
+#   UNIT_TIMEOUT=900 MPI_TIMEOUT=900 INTEGRATION_TIMEOUT=1800   outer wall-clock limits (s)
+#   OMP_NUM_THREADS        defaults to 1 in the mpi stage (N ranks share the cores)
+#   VENV=.venv             its bin/ is put first in PATH if it exists
+#   PYTEST_ADDOPTS         pytest's own: extra options for every stage (e.g. "-x -k allreduce")
+#
+# A stage whose directory holds no test files is SKIPPED without running pytest; pytest's exit
+# code 5 ("no tests collected", e.g. everything deselected) is reported as NO TESTS, not a failure.
+
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+VENV="${VENV:-$ROOT/.venv}"
+if [[ -d "$VENV/bin" ]]; then
+    export PATH="$(cd "$VENV/bin" && pwd):$PATH"
+fi
+
+NPS="${NPS:-1 2 3 4}"
+UNIT_TIMEOUT="${UNIT_TIMEOUT:-900}"
+MPI_TIMEOUT="${MPI_TIMEOUT:-900}"
+INTEGRATION_TIMEOUT="${INTEGRATION_TIMEOUT:-1800}"
+
+LOGDIR="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-suite.XXXXXX")"
+trap 'rm -rf "$LOGDIR"' EXIT
+
+SUMMARY=()
+FAILED=()
+
+has_tests() {  # a directory with at least one test file in it
+    [[ -d "$1" ]] && [[ -n "$(find "$1" -type f \( -name 'test_*.py' -o -name '*_test.py' \) -print -quit)" ]]
+}
+
+closing_line() {  # a pytest closing line from a log ("3 passed, 1 skipped in 2.10s"); with several
+    # ranks, the last one that reports a failure or error, else the last one
+    local lines bad
+    lines="$(grep -E '([0-9]+ (passed|failed|skipped|deselected|xfailed|xpassed|errors?|warnings?)|no tests ran).* in [0-9.]+s' "$1" \
+        | sed -E 's/^.*(\[100%\]|\[ *[0-9]+%\])//; s/^=+ //; s/ =+$//')"
+    bad="$(grep -E '[0-9]+ (failed|errors?)' <<<"$lines" | tail -n 1)"
+    if [[ -n "$bad" ]]; then echo "$bad"; else tail -n 1 <<<"$lines"; fi
+    if grep -q '^+\++ Timeout +\++$' "$1"; then echo " [pytest-timeout fired]"; fi
+}
+
+# Exit code 5 means "no tests collected" (nothing there, or all deselected). But hydra ORs the
+# ranks' exit codes (1|4 == 5), so under mpiexec accept it only if every rank printed a closing
+# line and none of them reports a failure or error.
+no_tests_everywhere() {  # LOG NPROCS
+    local lines
+    lines="$(grep -E '([0-9]+ (passed|failed|skipped|deselected|xfailed|xpassed|errors?|warnings?)|no tests ran).* in [0-9.]+s' "$1")"
+    [[ "$(grep -c . <<<"$lines")" -ge "$2" ]] && ! grep -qE '[0-9]+ (failed|passed|errors?)' <<<"$lines"
+}
+
+record() {  # record STAGE STATUS DETAIL
+    SUMMARY+=("$(printf '%-14s %-8s %s' "$1" "$2" "$3")")
+    if [[ "$2" == FAIL ]]; then FAILED+=("$1"); fi
+}
+
+# run_stage NAME NPROCS TIMEOUT CMD...   (NPROCS = ranks whose closing lines to expect, 1 if no MPI)
+run_stage() {
+    local name="$1" nprocs="$2" limit="$3"
+    shift 3
+    local log="$LOGDIR/$name.log" rc start secs
+    echo
+    echo "==== [$name] $*"
+    start=$SECONDS
+    # On expiry timeout sends SIGTERM (SIGKILL 30 s later) to its process group. Hydra's proxies and
+    # ranks setsid() out of that group; they go because mpiexec tears them down on SIGTERM (checked
+    # with a hung barrier at np=3). A killed launch leaves a /dev/shm/mpich_shm_* segment behind.
+    # stdin from /dev/null: hydra forwards stdin to rank 0, and CI has none.
+    timeout -k 30 "$limit" "$@" </dev/null 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    secs=$((SECONDS - start))
+    local closing
+    closing="$(closing_line "$log" | tr -d '\n')"
+    if [[ $rc -eq 0 ]]; then
+        record "$name" PASS "(${secs}s) ${closing}"
+    elif [[ $rc -eq 5 ]] && no_tests_everywhere "$log" "$nprocs"; then
+        record "$name" "NO TESTS" "(${secs}s) pytest ran no test (exit 5) ${closing}"
+    elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
+        record "$name" FAIL "(${secs}s) TIMED OUT after ${limit}s (rc=$rc) ${closing}"
+    else
+        record "$name" FAIL "(${secs}s) rc=$rc ${closing}"
+    fi
+}
+
+stage_unit() {
+    if ! has_tests tests/unit; then record unit SKIP "no test files in tests/unit"; return; fi
+    run_stage unit 1 "$UNIT_TIMEOUT" \
+        python -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread tests/unit
+}
+
+stage_mpi() {
+    if ! has_tests tests/mpi; then record mpi SKIP "no test files in tests/mpi"; return; fi
+    local n
+    for n in $NPS; do
+        OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" run_stage "mpi-np$n" "$n" "$MPI_TIMEOUT" \
+            mpiexec -n "$n" python -m pytest --with-mpi -p no:cacheprovider -q \
+            --timeout=120 --timeout-method=thread tests/mpi
+    done
+}
+
+stage_integration() {
+    if ! has_tests tests/integration; then
+        record integration SKIP "no test files in tests/integration"
+        return
+    fi
+    run_stage integration 1 "$INTEGRATION_TIMEOUT" \
+        python -m pytest -q -p no:cacheprovider --timeout=600 --timeout-method=thread tests/integration
+}
+
+stages=("$@")
+if [[ ${#stages[@]} -eq 0 ]]; then stages=(unit mpi integration); fi
+
+echo "python:  $(command -v python) ($(python -V 2>&1))"
+echo "mpiexec: $(command -v mpiexec || echo 'NOT FOUND')"
+echo "NPS:     $NPS"
+
+for stage in "${stages[@]}"; do
+    case "$stage" in
+        unit) stage_unit ;;
+        mpi) stage_mpi ;;
+        integration) stage_integration ;;
+        *) echo "run_suite.sh: unknown stage '$stage' (want unit, mpi, integration)" >&2; exit 2 ;;
+    esac
+done
+
+echo
+echo "==================== mpidp test summary ===================="
+printf '%s\n' "${SUMMARY[@]}"
+if [[ ${#FAILED[@]} -gt 0 ]]; then
+    echo "run_suite: FAILED stages: ${FAILED[*]}"
+    exit 1
+fi
+echo "run_suite: OK, no stage failed (${#SUMMARY[@]} stage(s))"
+exit 0

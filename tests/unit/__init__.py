@@ -1,0 +1,1 @@
+"""Single-process unit tests of mpidp's pure logic (no MPI)."""

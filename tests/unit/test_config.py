@@ -1,0 +1,199 @@
+"""mpidp.config: defaults, MPIDP_*/HOROVOD_* parsing, strict errors, overrides, describe()."""
+
+import math
+
+import pytest
+
+from mpidp import config
+from mpidp.errors import ConfigError, MpidpError
+
+MiB = 1024 * 1024
+
+DEFAULTS = {
+    "fusion_threshold_bytes": 4 * MiB,
+    "fuse_below_bytes": 64 * 1024,
+    "chunk_bytes": 4 * MiB,
+    "cycle_time_ms": 0.0,
+    "idle_backoff_max_ms": 5.0,
+    "cache_capacity": 1024,
+    "stall_warning_s": 60.0,
+    "stall_shutdown_s": 0.0,
+    "log_level": "warning",
+}
+
+HOROVOD_ALIASES = [
+    ("HOROVOD_FUSION_THRESHOLD", "fusion_threshold_bytes", "1048576", 1048576),
+    ("HOROVOD_CYCLE_TIME", "cycle_time_ms", "2.5", 2.5),
+    ("HOROVOD_CACHE_CAPACITY", "cache_capacity", "16", 16),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "stall_warning_s", "30", 30.0),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_s", "120", 120.0),
+    ("HOROVOD_LOG_LEVEL", "log_level", "DEBUG", "debug"),
+]
+
+
+def test_every_knob_has_a_default_listed_here():
+    assert {k.field for k in config.KNOBS} == set(DEFAULTS)
+
+
+def test_defaults_with_empty_environment():
+    cfg = config.load({})
+    for field, value in DEFAULTS.items():
+        assert getattr(cfg, field) == value, field
+    assert cfg.explicit == frozenset()
+
+
+def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
+    monkeypatch.setenv("MPIDP_CACHE_CAPACITY", "7")
+    assert config.load().cache_capacity == 7
+
+
+@pytest.mark.parametrize("var, field, raw, expected", [
+    ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", "1024", 1024),
+    ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", " 0 ", 0),
+    ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", "0x100", 256),
+    ("MPIDP_FUSE_BELOW_BYTES", "fuse_below_bytes", "4096", 4096),
+    ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
+    ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
+    ("MPIDP_IDLE_BACKOFF_MAX_MS", "idle_backoff_max_ms", "10", 10.0),
+    ("MPIDP_CACHE_CAPACITY", "cache_capacity", "0", 0),
+    ("MPIDP_STALL_WARNING_S", "stall_warning_s", "0", 0.0),
+    ("MPIDP_STALL_SHUTDOWN_S", "stall_shutdown_s", "300", 300.0),
+    ("MPIDP_LOG_LEVEL", "log_level", "Info", "info"),
+    ("MPIDP_LOG_LEVEL", "log_level", "trace", "trace"),
+])
+def test_mpidp_variables_are_parsed(var, field, raw, expected):
+    cfg = config.load({var: raw})
+    value = getattr(cfg, field)
+    assert value == expected
+    assert type(value) is type(expected)
+    assert cfg.explicit == frozenset({field})
+
+
+@pytest.mark.parametrize("var, field, raw, expected", HOROVOD_ALIASES)
+def test_horovod_aliases(var, field, raw, expected):
+    cfg = config.load({var: raw})
+    assert getattr(cfg, field) == expected
+    assert field in cfg.explicit
+
+
+@pytest.mark.parametrize("var, field, raw, expected", HOROVOD_ALIASES)
+def test_mpidp_variable_wins_over_horovod_alias(var, field, raw, expected):
+    knob = next(k for k in config.KNOBS if k.field == field)
+    assert knob.horovod == var
+    mine = "info" if field == "log_level" else "3"
+    cfg = config.load({var: raw, knob.env: mine})
+    assert getattr(cfg, field) == knob.parse(mine)
+    assert getattr(cfg, field) != expected
+
+
+def test_mpidp_variable_wins_even_when_alias_is_malformed():
+    # Only the variable that is used is parsed.
+    cfg = config.load({"HOROVOD_CACHE_CAPACITY": "lots", "MPIDP_CACHE_CAPACITY": "5"})
+    assert cfg.cache_capacity == 5
+
+
+@pytest.mark.parametrize("var, raw", [
+    ("MPIDP_FUSION_THRESHOLD_BYTES", "-1"),
+    ("MPIDP_FUSION_THRESHOLD_BYTES", "4MiB"),
+    ("MPIDP_FUSION_THRESHOLD_BYTES", "1.5"),
+    ("MPIDP_FUSION_THRESHOLD_BYTES", ""),
+    ("MPIDP_FUSE_BELOW_BYTES", "abc"),
+    ("MPIDP_CHUNK_BYTES", "-4096"),
+    ("MPIDP_CACHE_CAPACITY", "-1"),
+    ("MPIDP_CACHE_CAPACITY", "1e3"),
+    ("MPIDP_CYCLE_TIME_MS", "-0.5"),
+    ("MPIDP_CYCLE_TIME_MS", "nan"),
+    ("MPIDP_CYCLE_TIME_MS", "fast"),
+    ("MPIDP_IDLE_BACKOFF_MAX_MS", "NaN"),
+    ("MPIDP_STALL_WARNING_S", "-60"),
+    ("MPIDP_STALL_SHUTDOWN_S", "nan"),
+    ("MPIDP_LOG_LEVEL", "verbose"),
+    ("MPIDP_LOG_LEVEL", ""),
+    ("HOROVOD_FUSION_THRESHOLD", "-5"),
+    ("HOROVOD_CYCLE_TIME", "nan"),
+    ("HOROVOD_CACHE_CAPACITY", "many"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1"),
+    ("HOROVOD_LOG_LEVEL", "loud"),
+])
+def test_malformed_value_raises_config_error_naming_variable_and_value(var, raw):
+    with pytest.raises(ConfigError) as info:
+        config.load({var: raw})
+    message = str(info.value)
+    assert var in message
+    assert repr(raw) in message
+    # ConfigError is both mpidp's own error and a ValueError.
+    assert isinstance(info.value, MpidpError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_bad_log_level_message_lists_accepted_levels():
+    with pytest.raises(ConfigError, match="trace, debug, info, warning, error, fatal"):
+        config.load({"MPIDP_LOG_LEVEL": "chatty"})
+
+
+def test_overrides_by_field_name():
+    cfg = config.load({}, cache_capacity=3, log_level="error")
+    assert cfg.cache_capacity == 3
+    assert cfg.log_level == "error"
+    assert cfg.explicit == frozenset({"cache_capacity", "log_level"})
+
+
+def test_override_wins_over_environment():
+    cfg = config.load({"MPIDP_CACHE_CAPACITY": "8", "HOROVOD_CYCLE_TIME": "2"},
+                      cache_capacity=4)
+    assert cfg.cache_capacity == 4
+    assert cfg.cycle_time_ms == 2.0
+    assert cfg.explicit == frozenset({"cache_capacity", "cycle_time_ms"})
+
+
+def test_unknown_override_field_raises():
+    with pytest.raises(ConfigError, match="unknown mpidp knob 'fusion_threshold'"):
+        config.load({}, fusion_threshold=1)
+
+
+def test_unknown_override_lists_known_fields():
+    with pytest.raises(ConfigError) as info:
+        config.load({}, no_such_knob=True)
+    for field in DEFAULTS:
+        assert field in str(info.value)
+
+
+def test_explicit_records_env_and_overrides_only():
+    cfg = config.load({"MPIDP_CHUNK_BYTES": "4194304", "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+                       "UNRELATED": "x"}, stall_shutdown_s=0.0)
+    # Set to the default value still counts as set.
+    assert cfg.chunk_bytes == DEFAULTS["chunk_bytes"]
+    assert cfg.explicit == frozenset({"chunk_bytes", "stall_warning_s", "stall_shutdown_s"})
+
+
+def test_describe_lists_every_knob_variable_alias_and_default():
+    text = config.describe()
+    lines = text.splitlines()
+    assert len(lines) == len(config.KNOBS)
+    for knob, line in zip(config.KNOBS, lines):
+        assert line.startswith(knob.env)
+        assert repr(knob.default) in line
+        assert knob.doc in line
+        if knob.horovod:
+            assert f"alias {knob.horovod}" in line
+
+
+def test_agreed_items_excludes_log_level():
+    cfg = config.load({})
+    fields = [f for f, _ in cfg.agreed_items()]
+    assert "log_level" not in fields
+    assert set(fields) == set(DEFAULTS) - {"log_level"}
+    assert dict(cfg.agreed_items())["cache_capacity"] == 1024
+
+
+@pytest.mark.parametrize("field, value", [("cache_capacity", -1), ("log_level", "loud"),
+                                          ("cycle_time_ms", math.nan)])
+def test_malformed_override_raises_config_error(field, value):
+    with pytest.raises(ConfigError, match=field):
+        config.load({}, **{field: value})
+
+
+@pytest.mark.parametrize("var", ["MPIDP_CYCLE_TIME_MS", "MPIDP_IDLE_BACKOFF_MAX_MS"])
+def test_infinite_sleep_time_is_rejected(var):
+    with pytest.raises(ConfigError, match=var):
+        config.load({var: "inf"})

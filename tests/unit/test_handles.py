@@ -1,0 +1,153 @@
+"""handles.Handle and HandleTable: completion, errors, timeouts and spent handles."""
+
+import threading
+
+import pytest
+
+from mpidp.engine.handles import Handle, HandleTable
+from mpidp.errors import CollectiveError, EngineShutdownError, MismatchError, OpTimeoutError
+
+
+def test_result_after_set_result():
+    h = Handle("a")
+    assert not h.done()
+    h.set_result(42)
+    assert h.done()
+    assert h.wait() == 42
+    assert h.wait(0) == 42
+
+
+def test_wait_timeout_raises_op_timeout_and_stays_pending():
+    h = Handle("grad.w")
+    with pytest.raises(OpTimeoutError, match="'grad.w'.*still pending") as info:
+        h.wait(0.01)
+    assert isinstance(info.value, TimeoutError)
+    assert isinstance(info.value, CollectiveError)
+    assert not h.done()
+    h.set_result("late")
+    assert h.wait(0.01) == "late"
+
+
+def test_set_error_then_wait_raises_that_type_with_same_message():
+    h = Handle("a")
+    err = MismatchError("allreduce 'a': rank 0 sent ...")
+    h.set_error(err)
+    assert h.done()
+    with pytest.raises(MismatchError, match="rank 0 sent") as info:
+        h.wait()
+    # A fresh copy per waiter, so tracebacks do not accumulate on a shared object.
+    assert info.value is not err
+    with pytest.raises(MismatchError):
+        h.wait()
+
+
+def test_first_error_wins():
+    h = Handle("a")
+    h.set_error(EngineShutdownError("first"))
+    h.set_error(MismatchError("second"))
+    with pytest.raises(EngineShutdownError, match="first"):
+        h.wait()
+
+
+def test_error_after_result_is_ignored():
+    h = Handle("a")
+    h.set_result(1)
+    h.set_error(EngineShutdownError("late"))
+    assert h.wait() == 1
+
+
+def test_wait_wakes_when_completed_from_another_thread():
+    h = Handle("a")
+    timer = threading.Timer(0.02, h.set_result, args=("done",))
+    timer.start()
+    try:
+        assert h.wait(5.0) == "done"
+    finally:
+        timer.cancel()
+
+
+# ---- HandleTable ----
+
+def test_register_poll_wait():
+    table = HandleTable()
+    a, b = Handle("a"), Handle("b")
+    hid = table.register([a, b], lambda results: tuple(results))
+    assert isinstance(hid, int)
+    assert table.poll(hid) is False
+    a.set_result(1)
+    assert table.poll(hid) is False
+    b.set_result(2)
+    assert table.poll(hid) is True
+    assert table.wait(hid) == (1, 2)
+
+
+def test_ids_are_distinct_and_increasing():
+    table = HandleTable()
+    ids = [table.register([Handle(str(i))], list) for i in range(5)]
+    assert ids == sorted(set(ids))
+
+
+def test_handle_is_spent_after_successful_wait():
+    table = HandleTable()
+    h = Handle("a")
+    h.set_result(7)
+    hid = table.register([h], lambda r: r[0])
+    assert table.wait(hid) == 7
+    with pytest.raises(ValueError, match="unknown"):
+        table.wait(hid)
+    with pytest.raises(ValueError, match="unknown"):
+        table.poll(hid)
+
+
+@pytest.mark.parametrize("bad", [12345, -1, None, "1", [1]])
+def test_unknown_handle_raises_value_error(bad):
+    table = HandleTable()
+    table.register([Handle("a")], list)
+    with pytest.raises(ValueError, match="unknown"):
+        table.poll(bad)
+    with pytest.raises(ValueError, match="unknown"):
+        table.wait(bad)
+
+
+def test_table_wait_timeout_keeps_handle_valid():
+    table = HandleTable()
+    h = Handle("a")
+    hid = table.register([h], lambda r: r[0])
+    with pytest.raises(OpTimeoutError):
+        table.wait(hid, timeout=0.01)
+    assert table.poll(hid) is False
+    h.set_result("ok")
+    assert table.wait(hid, timeout=0.01) == "ok"
+
+
+def test_table_wait_timeout_covers_the_whole_group():
+    table = HandleTable()
+    a, b = Handle("a"), Handle("b")
+    a.set_result(1)
+    hid = table.register([a, b], list)
+    with pytest.raises(OpTimeoutError, match="'b'"):
+        table.wait(hid, timeout=0.01)
+    b.set_result(2)
+    assert table.wait(hid) == [1, 2]
+
+
+def test_table_wait_error_spends_handle_and_raises_member_error():
+    table = HandleTable()
+    a, b = Handle("a"), Handle("b")
+    a.set_result(1)
+    b.set_error(MismatchError("bad b"))
+    hid = table.register([a, b], list)
+    assert table.poll(hid) is True
+    with pytest.raises(MismatchError, match="bad b"):
+        table.wait(hid)
+    with pytest.raises(ValueError):
+        table.wait(hid)
+
+
+def test_finish_receives_results_in_member_order():
+    table = HandleTable()
+    hs = [Handle(str(i)) for i in range(4)]
+    for i, h in reversed(list(enumerate(hs))):
+        h.set_result(i * 10)
+    hid = table.register(hs, lambda r: r)
+    assert table.wait(hid) == [0, 10, 20, 30]
