@@ -47,8 +47,7 @@ class HandleTable:
     """Integer handles as Horovod returns them: each names the member handles of one user op."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
         self._ops: Dict[int, Tuple[List[Handle], Callable[[list], Any]]] = {}
 
     def register(self, members: List[Handle], finish: Callable[[list], Any]) -> int:
@@ -74,7 +73,11 @@ class HandleTable:
             results = [h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
                        for h in members]
         except OpTimeoutError:
-            raise
+            late = next(h.name for h in members if not h.done())
+            raise OpTimeoutError(
+                f"op {late!r} did not complete within {timeout:g} s and is still "
+                f"pending; call synchronize() again, and check the other ranks (see mpidp's "
+                f"stall warning in the log)") from None
         except BaseException:
             self._ops.pop(hid, None)
             raise

@@ -64,8 +64,6 @@ def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
     if joined and first.op not in (OpType.ALLREDUCE, OpType.BARRIER):
         return (f"{label}: {_ranks(joined)} already called join(); only allreduce may run while "
                 f"ranks are joined")
-    if first.op == OpType.BROADCAST and first.root in joined:
-        return f"{label}: root rank {first.root} already called join()"
     if first.op == OpType.ALLREDUCE and joined and first.reduce_op in (ReduceOp.MIN, ReduceOp.MAX,
                                                                           ReduceOp.PRODUCT):
         # Zeros from joined ranks would silently change a min, max or product.
