@@ -3,7 +3,7 @@
 #   make, make venv          .venv with torch (CPU pin) first, then dev deps, then `pip install -e .`
 #   make test                unit, then mpi at NPS world sizes, then integration; summary at the end
 #   make test-unit | test-mpi | test-integration
-#   make run                 2-rank demo: mpiexec -n 2 python examples/engine_demo.py
+#   make run                 2-rank demo: mpiexec -n 2 python examples/train.py
 #   make bench               benchmarks/allreduce.py at np=2
 #   make clean | distclean   build junk | build junk and .venv
 #
@@ -61,7 +61,7 @@ test-integration: $(STAMP)
 	bash tests/run_suite.sh integration
 
 run: $(STAMP)
-	timeout -k 30 $(RUN_TIMEOUT) $(BIN)/mpiexec -n $(RUN_NP) $(BIN)/python examples/engine_demo.py
+	timeout -k 30 $(RUN_TIMEOUT) $(BIN)/mpiexec -n $(RUN_NP) $(BIN)/python examples/train.py
 
 bench: $(STAMP)
 	timeout -k 30 $(BENCH_TIMEOUT) $(BIN)/mpiexec -n $(BENCH_NP) $(BIN)/python benchmarks/allreduce.py

@@ -6,10 +6,14 @@ from .collectives import (allgather, allreduce, allreduce_, alltoall, broadcast,
 from .compression import Compression
 from .errors import (CollectiveError, ConfigError, EngineShutdownError, HorovodInternalError,
                      MismatchError, MpidpError, NotInitializedError, OpTimeoutError)
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters, check_replicas)
+from .optimizer import DistributedOptimizer
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_async,
                   allreduce_async_, alltoall_async, barrier, broadcast_async, broadcast_async_,
                   grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
-                  grouped_reducescatter_async, join, poll, reducescatter_async, synchronize)
+                  grouped_reducescatter_async, join, poll, reducescatter_async,
+                  sparse_allreduce_async, synchronize)
 from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                       gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,

@@ -322,3 +322,33 @@ def synchronize(handle: int, timeout: Optional[float] = None):
     a list for grouped ops). Raises the op's error, the same one on every rank. With `timeout`
     (seconds), raises OpTimeoutError and keeps the handle valid if the op is still pending."""
     return runtime.state().handles.wait(handle, timeout)
+
+
+def sparse_allreduce_async(tensor, name=None, op=Average) -> int:
+    """Start reducing a sparse COO tensor by gathering every rank's indices and values;
+    synchronize() returns the coalesced sparse result (values divided by size for Average)."""
+    state = runtime.state()
+    what = "sparse_allreduce"
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError(f"{what}: expected a sparse COO tensor; use allreduce for dense ones")
+    reduce_op = _resolve_op(None, op, what)
+    if reduce_op not in (Average, Sum):
+        raise ValueError(f"{what}: only Average and Sum are supported, not "
+                         f"{reduce_op.name.capitalize()}")
+    base, cacheable = _name(state, name, what)
+    t = tensor.detach().coalesce()
+    indices = t.indices().t().contiguous()   # (nnz, sparse_dims): gathered along dim 0
+    values = t.values().contiguous()
+    entries = [_entry(_request(f"{base}.indices", cacheable, OpType.ALLGATHER, indices),
+                      indices, None),
+               _entry(_request(f"{base}.values", cacheable, OpType.ALLGATHER, values),
+                      values, None)]
+    size, shape = state.comms.size, t.shape
+
+    def finish(results):
+        idx, vals = results
+        if reduce_op == Average:
+            vals = vals / size
+        return torch.sparse_coo_tensor(idx.t(), vals, shape, check_invariants=True).coalesce()
+
+    return _submit(state, entries, finish)

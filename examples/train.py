@@ -1,0 +1,142 @@
+"""Train a small CNN on scikit-learn's handwritten digits, data-parallel over MPI with mpidp.
+
+    mpiexec -n 2 python examples/train.py [--epochs 10] [--resume]
+
+The data set ships inside scikit-learn (1,797 8x8 images), so nothing is downloaded. Each rank
+trains on its shard (DistributedSampler, reshuffled every epoch with set_epoch); gradients are
+averaged by mpidp.DistributedOptimizer; rank 0 prints progress, writes a checkpoint after every
+epoch and, with --resume, continues from it.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import mpidp
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.02, help="per rank; scaled by size")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--checkpoint", default="out/train_digits.pt")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    return parser.parse_args()
+
+
+def datasets(seed):
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    n_test = len(y) // 5
+    return TensorDataset(x[n_test:], y[n_test:]), TensorDataset(x[:n_test], y[:n_test])
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def evaluate(model, loader):
+    """Accuracy over the whole test set: each rank counts its shard, then Sum across ranks."""
+    model.eval()
+    counts = torch.zeros(2)
+    with torch.no_grad():
+        for x, y in loader:
+            counts[0] += (model(x).argmax(1) == y).sum()
+            counts[1] += len(y)
+    counts = mpidp.allreduce(counts, op=mpidp.Sum, name="eval.counts")
+    return (counts[0] / counts[1]).item()
+
+
+def save_checkpoint(path, model, optimizer, epoch):
+    """Rank 0 writes atomically: a crash mid-save leaves the previous checkpoint intact."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "epoch": epoch}, tmp)
+    os.replace(tmp, path)
+
+
+def main():
+    args = parse_args()
+    mpidp.init()
+    rank, size = mpidp.rank(), mpidp.size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // mpidp.local_size()))
+    torch.manual_seed(args.seed)
+
+    train_set, test_set = datasets(args.seed)
+    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
+                                 seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    test_loader = DataLoader(test_set, batch_size=256, sampler=DistributedSampler(
+        test_set, num_replicas=size, rank=rank, shuffle=False))
+
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
+
+    start_epoch = 0
+    if args.resume and rank == 0 and os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"]
+    start_epoch = mpidp.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
+    # Every rank starts from rank 0's weights and optimizer state (fresh or resumed).
+    mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
+    mpidp.broadcast_optimizer_state(optimizer, root_rank=0, model=model)
+    optimizer = mpidp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    if rank == 0:
+        print(f"training on {len(train_set)} digits with {size} rank(s), "
+              f"{len(sampler)} samples per rank per epoch"
+              + (f", resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
+    for epoch in range(start_epoch, args.epochs):
+        began = time.perf_counter()
+        model.train()
+        sampler.set_epoch(epoch)
+        totals = torch.zeros(3)  # loss sum, correct, seen
+        for x, y in train_loader:
+            optimizer.zero_grad()
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            optimizer.step()
+            totals += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(),
+                                    len(y)])
+        totals = mpidp.allreduce(totals, op=mpidp.Sum, name="train.totals")
+        test_acc = evaluate(model, test_loader)
+        if rank == 0:
+            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
+            print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
+                  f"train acc {totals[1] / totals[2]:.4f}  test acc {test_acc:.4f}  "
+                  f"({time.perf_counter() - began:.2f} s)", flush=True)
+    mpidp.check_replicas(model)
+    test_acc = evaluate(model, test_loader)
+    if rank == 0:
+        print(f"final test accuracy: {test_acc:.4f}", flush=True)
+    mpidp.shutdown()
+
+
+if __name__ == "__main__":
+    main()

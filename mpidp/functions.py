@@ -1,0 +1,134 @@
+"""Training helpers: broadcast parameters, optimizer state and objects; gather objects; check replicas."""
+
+import pickle
+import zlib
+from typing import Any, List
+
+import numpy as np
+import torch
+
+from . import ops, runtime
+from .errors import MpidpError
+
+
+def broadcast_parameters(params, root_rank: int = 0) -> None:
+    """Overwrite parameters on every rank with global rank `root_rank`'s, in place.
+
+    `params`: a state_dict (processed in sorted key order), a list of parameters, or a list of
+    (name, tensor) pairs. Synchronization: blocks until every rank has submitted every tensor.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = list(params)
+        if items and not isinstance(items[0], tuple):
+            items = [(f"param.{i}", p) for i, p in enumerate(items)]
+    handles = []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a "
+                            f"tensor")
+        handles.append(ops.broadcast_async_(tensor.data, root_rank,
+                                            name=f"broadcast_parameters.{name}"))
+    for handle in handles:
+        ops.synchronize(handle)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str = None) -> Any:
+    """Return global rank `root_rank`'s `obj` (pickled) on every rank. Blocks on every rank."""
+    name = name or "broadcast_object"
+    rank = runtime.rank()
+    payload = torch.from_numpy(np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8)) \
+        if rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    length = ops.synchronize(ops.broadcast_async(torch.tensor([payload.numel()]), root_rank,
+                                                 name=f"{name}.length"))
+    if rank != root_rank:
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    ops.synchronize(ops.broadcast_async_(payload, root_rank, name=f"{name}.bytes"))
+    return obj if rank == root_rank else pickle.loads(payload.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str = None) -> List[Any]:
+    """Every rank's `obj`, in rank order, on every rank. Blocks on every rank."""
+    name = name or "allgather_object"
+    data = torch.from_numpy(np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8))
+    lengths = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()]),
+                                                  name=f"{name}.length"))
+    gathered = ops.synchronize(ops.allgather_async(data, name=f"{name}.bytes")).numpy()
+    offsets = np.concatenate(([0], np.cumsum(lengths.numpy())))
+    return [pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
+            for i in range(len(lengths))]
+
+
+def _param_names(optimizer, model) -> List[str]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if model is None:
+        return [f"param.{i}" for i in range(len(params))]
+    by_param = {p: n for n, p in model.named_parameters()}
+    return [by_param.get(p, f"param.{i}") for i, p in enumerate(params)]
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
+    """Make every rank's optimizer state equal to global rank `root_rank`'s.
+
+    Broadcasts the state itself, never a dummy step (which would move weights under weight
+    decay and advance Adam's step count): tensor state travels as tensors, scalar state and
+    every param-group option keep their Python types. `model`, if given, names the tensors
+    after its parameters (clearer errors). Synchronization: blocks on every rank.
+    """
+    opt = getattr(optimizer, "_opt", optimizer)
+    names = _param_names(opt, model)
+    state = opt.state_dict()
+    rank = runtime.rank()
+    layout = None
+    if rank == root_rank:
+        # Everything but tensor contents: shapes and dtypes, scalars, group options.
+        layout = {"param_groups": state["param_groups"],
+                  "state": {idx: {k: (("tensor", tuple(v.shape), str(v.dtype).split(".")[1])
+                                      if isinstance(v, torch.Tensor) else ("value", v))
+                                  for k, v in entry.items()}
+                            for idx, entry in state["state"].items()}}
+    layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state.layout")
+    new_state = {}
+    handles = []
+    for idx in sorted(layout["state"]):
+        entry = {}
+        for key in sorted(layout["state"][idx]):
+            kind, *rest = layout["state"][idx][key]
+            if kind == "value":
+                entry[key] = rest[0]
+                continue
+            shape, dtype = rest
+            if rank == root_rank:
+                tensor = state["state"][idx][key].detach().cpu().clone()
+            else:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            label = names[idx] if idx < len(names) else f"param.{idx}"
+            handles.append(ops.broadcast_async_(
+                tensor, root_rank, name=f"broadcast_optimizer_state.{label}.{key}"))
+            entry[key] = tensor
+        new_state[idx] = entry
+    for handle in handles:
+        ops.synchronize(handle)
+    opt.load_state_dict({"state": new_state, "param_groups": layout["param_groups"]})
+
+
+def check_replicas(model, name: str = None) -> None:
+    """Raise MpidpError naming the ranks and parameters that differ from rank 0's, bitwise.
+
+    Cheap: one CRC32 per parameter, one allgather. Synchronization: blocks on every rank.
+    """
+    items = list(model.named_parameters()) + list(model.named_buffers())
+    sums = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+            if t.numel() else 0 for _, t in items]
+    table = ops.synchronize(ops.allgather_async(torch.tensor([sums], dtype=torch.int64),
+                                                name=name or "check_replicas"))
+    bad = {}
+    for r in range(1, table.shape[0]):
+        diff = [items[i][0] for i in np.flatnonzero((table[r] != table[0]).numpy())]
+        if diff:
+            bad[r] = diff
+    if bad:
+        parts = [f"rank {r}: {', '.join(d[:5])}{' ...' if len(d) > 5 else ''}"
+                 for r, d in sorted(bad.items())]
+        raise MpidpError("check_replicas: parameters differ from rank 0's on " + "; ".join(parts))

@@ -1,0 +1,262 @@
+"""DistributedOptimizer: wraps any torch optimizer; each gradient is reduced as soon as it is ready."""
+
+import contextlib
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+from . import ops, runtime
+from .compression import Compression
+from .ops import Average, Sum
+
+
+def _named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        # Horovod's scheme: positions in the optimizer's groups, identical on every rank.
+        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"DistributedOptimizer: named_parameters has duplicate names {dups}; "
+                         f"names must be unique (pass model.named_parameters())")
+    by_param = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise ValueError(f"DistributedOptimizer: named_parameters does not cover every parameter "
+                         f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
+                         f"the named_parameters of the whole model the optimizer was built on")
+    return {p: by_param[p] for p in params}
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer`; averages gradients across ranks, overlapping the backward pass.
+
+    A wrapper, not a class built at run time: `isinstance(opt, torch.optim.Optimizer)` holds and
+    every attribute of the wrapped optimizer (`param_groups`, `state`, `defaults`, ...) is
+    reached through it, so LR schedulers and GradScaler work unchanged.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step: int = 1, op=Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 sparse_as_dense: bool = False):
+        # torch.optim.Optimizer.__init__ is deliberately not called: the state lives in the
+        # wrapped optimizer, and attribute access falls through to it.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+        op = ops._resolve_op(None, op, "DistributedOptimizer")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        if gradient_predivide_factor <= 0:
+            raise ValueError("gradient_predivide_factor must be > 0")
+        self.__dict__["_opt"] = optimizer
+        self._names = _named(optimizer, named_parameters)
+        self._compression = compression
+        self._op = op
+        # Average as Sum with scaling: divide by the factor before and by size/factor after.
+        self._pre = 1.0 / gradient_predivide_factor
+        self._post_factor = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self._passes_per_step = 1
+        self.set_backward_passes_per_step(backward_passes_per_step)
+        self._groups = self._make_groups(num_groups, groups)
+        self._members: Dict[int, List[torch.nn.Parameter]] = {}
+        for p, gid in self._groups.items():
+            self._members.setdefault(gid, []).append(p)
+        self._passes: Dict[torch.nn.Parameter, int] = {}
+        self._handles: Dict[torch.nn.Parameter, tuple] = {}
+        self._ready: Dict[int, List[torch.nn.Parameter]] = {}
+        self._synchronized = False
+        self._should_sync = True
+        self._counting = True
+        self._warned_double_sync = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
+                       for p in self._names]
+
+    # ---- attribute pass-through ----
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_opt"], name)
+
+    @property
+    def param_groups(self):
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._opt.param_groups = value
+
+    @property
+    def state(self):
+        return self._opt.state
+
+    @property
+    def defaults(self):
+        return self._opt.defaults
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self._opt!r})"
+
+    def state_dict(self):
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        return self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        raise ValueError("DistributedOptimizer: add parameter groups to the optimizer before "
+                         "wrapping it (every rank must know every parameter's name up front)")
+
+    # ---- gradient submission ----
+
+    def _make_groups(self, num_groups, groups) -> Dict[torch.nn.Parameter, int]:
+        params = list(self._names)
+        if groups is not None and num_groups:
+            raise ValueError("DistributedOptimizer: give num_groups or groups, not both")
+        if groups is not None:
+            mapping = {}
+            for gid, group in enumerate(groups):
+                for p in group:
+                    if p not in self._names:
+                        raise ValueError("DistributedOptimizer: groups holds a parameter the "
+                                         "optimizer does not have")
+                    mapping[p] = gid
+            return mapping
+        if num_groups and num_groups > 0:
+            per = -(-len(params) // num_groups)
+            return {p: i // per for i, p in enumerate(params)}
+        return {}
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """How many backward passes accumulate before a gradient is reduced."""
+        if not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        self._passes_per_step = passes
+
+    def _hook(self, p) -> None:
+        if not self._counting or p in self._handles:
+            return
+        count = self._passes.get(p, 0) + 1
+        self._passes[p] = count
+        if count < self._passes_per_step:
+            return
+        gid = self._groups.get(p)
+        if gid is None:
+            self._submit([p])
+            return
+        ready = self._ready.setdefault(gid, [])
+        ready.append(p)
+        if len(ready) == sum(q.requires_grad for q in self._members[gid]):
+            del self._ready[gid]
+            self._submit(ready)
+
+    def _grad_of(self, p) -> torch.Tensor:
+        if p.grad is None:
+            # Ranks whose loss did not touch p still contribute (zeros), so no rank waits.
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError(f"parameter {self._names[p]!r} has a sparse gradient: pass "
+                                 f"sparse_as_dense=True to DistributedOptimizer")
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _submit(self, params) -> None:
+        size = runtime.size()
+        op = Sum if self._op == Average else self._op
+        post = self._post_factor / size if self._op == Average else 1.0
+        wires = []
+        for p in params:
+            wire, ctx = self._compression.compress(self._grad_of(p))
+            wires.append((p, wire, ctx))
+        if len(wires) == 1:
+            p, wire, ctx = wires[0]
+            handle = ops.allreduce_async_(wire, name=self._names[p], op=op,
+                                          prescale_factor=self._pre, postscale_factor=post)
+            self._handles[p] = (handle, wire, ctx, None)
+            return
+        handle = ops.grouped_allreduce_async_([w for _, w, _ in wires],
+                                              name=self._names[wires[0][0]] + ".group", op=op,
+                                              prescale_factor=self._pre, postscale_factor=post)
+        for i, (p, wire, ctx) in enumerate(wires):
+            self._handles[p] = (handle, wire, ctx, i)
+
+    # ---- user-facing steps ----
+
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced; submit any that were not (zeros if unused).
+
+        Synchronization: blocks until every rank has submitted the same gradients.
+        """
+        for gid, ready in list(self._ready.items()):
+            del self._ready[gid]
+            self._submit(ready)
+        missing = [p for p in self._names if p.requires_grad and p not in self._handles]
+        if missing:
+            self._submit_groups(missing)
+        done = {}
+        try:
+            for p, (handle, wire, ctx, index) in self._handles.items():
+                if handle not in done:
+                    done[handle] = ops.synchronize(handle)
+                out = done[handle] if index is None else done[handle][index]
+                if ctx is not None or out is not p.grad:
+                    p.grad.copy_(self._compression.decompress(out, ctx))
+        finally:
+            self._handles.clear()
+            self._passes.clear()
+        self._synchronized = True
+
+    def _submit_groups(self, params) -> None:
+        by_group: Dict[Optional[int], List] = {}
+        for p in params:
+            by_group.setdefault(self._groups.get(p), []).append(p)
+        for gid, members in by_group.items():
+            if gid is None:
+                for p in members:
+                    self._submit([p])
+            else:
+                self._submit(members)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, step() does not synchronize (use after an explicit synchronize())."""
+        self._should_sync = False
+        try:
+            yield
+        finally:
+            self._should_sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward passes accumulate gradients locally without counting or reducing."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
+    def step(self, closure=None):
+        """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer."""
+        if self._should_sync:
+            if self._synchronized and not self._handles and not self._warned_double_sync:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "`with optimizer.skip_synchronize():`; gradients are reduced a "
+                              "second time", UserWarning, stacklevel=2)
+                self._warned_double_sync = True
+            self.synchronize()
+        self._synchronized = False
+        return self._opt.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear gradients; refuses while reductions are in flight (call step() first)."""
+        if self._handles:
+            raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
+                             "before optimizer.step() or optimizer.synchronize(); gradients "
+                             "are being reduced. Call step() (or synchronize()) first")
+        return self._opt.zero_grad(set_to_none=set_to_none)

@@ -1,0 +1,332 @@
+"""DistributedOptimizer: N ranks on N shards equal one process on the whole batch, and its edge cases."""
+
+import copy
+import warnings
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpidp
+from mpi_util import assert_all, gather, raises_all, run_all
+
+SHARD = 4  # rows per rank per micro-batch
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def _data(steps, micro, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    rows = SHARD * mpidp.size()
+    return [[(torch.randn(rows, 5, generator=g, dtype=torch.float64),
+              torch.randint(0, 3, (rows,), generator=g)) for _ in range(micro)]
+            for _ in range(steps)]
+
+
+def _shard(x):
+    r = mpidp.rank()
+    return x[r * SHARD:(r + 1) * SHARD]
+
+
+def _checksum(model):
+    return [zlib.crc32(p.detach().numpy().tobytes()) for p in model.parameters()]
+
+
+def _assert_replicas_bitwise(model, what):
+    sums = gather(_checksum(model))
+    assert_all(all(s == sums[0] for s in sums), f"{what}: parameters differ bitwise: {sums}")
+
+
+def _close(model, ref, tol=1e-10):
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_shards_equal_single_process_on_whole_batch(kind, passes):
+    model, ref = _model(), _model()
+    opt = mpidp.DistributedOptimizer(OPTIMIZERS[kind](model.parameters()),
+                                     named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=passes)
+    ref_opt = OPTIMIZERS[kind](ref.parameters())
+    for step in _data(steps=4, micro=passes):
+        opt.zero_grad()
+        for x, y in step:
+            (F.cross_entropy(model(_shard(x)), _shard(y)) / passes).backward()
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        x = torch.cat([x for x, _ in step])
+        y = torch.cat([y for _, y in step])
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < 1e-10, f"{kind}, passes={passes}: max deviation {err}")
+    _assert_replicas_bitwise(model, kind)
+
+
+@pytest.mark.mpi
+def test_clipping_after_synchronize_clips_the_global_gradient():
+    model, ref = _model(), _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                     named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for (x, y), in _data(steps=3, micro=1):
+        opt.zero_grad()
+        (F.cross_entropy(model(_shard(x)), _shard(y)) * 50).backward()
+        opt.synchronize()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        with opt.skip_synchronize():
+            opt.step()
+        ref_opt.zero_grad()
+        (F.cross_entropy(ref(x), y) * 50).backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < 1e-10, f"max deviation {err}")
+    _assert_replicas_bitwise(model, "clipping")
+
+
+@pytest.mark.mpi
+def test_grad_scaler_loop_skips_the_same_steps_on_every_rank():
+    model = _model().float()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    before_skip = None
+    for i, ((x, y),) in enumerate(_data(steps=4, micro=1)):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(_shard(x).float()), _shard(y))
+        if i == 2 and mpidp.rank() == 0:
+            loss = loss * float("inf")  # one rank overflows: every rank must skip this step
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        if i == 2:
+            before_skip = [p.detach().clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        if i == 2:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before_skip, model.parameters()))
+            assert_all(unchanged, "the overflowing step changed parameters")
+    scales = gather(scaler.get_scale())
+    assert_all(all(s == scales[0] for s in scales) and scales[0] < 2.0 ** 10,
+               f"scales {scales}")
+    _assert_replicas_bitwise(model, "grad scaler")
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Linear(4, 4).double()
+        self.heads = nn.ModuleList([nn.Linear(4, 2).double(), nn.Linear(4, 2).double()])
+
+    def forward(self, x, head):
+        return self.heads[head](torch.tanh(self.body(x)))
+
+
+@pytest.mark.mpi
+def test_ranks_touching_different_parameters_do_not_deadlock():
+    model, ref = TwoHeads(), TwoHeads()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(mpidp.size(), 4, generator=g, dtype=torch.float64)
+    r = mpidp.rank()
+    opt.zero_grad()
+    model(x[r:r + 1], r % 2).sum().backward()
+    run_all(opt.step)
+    # Reference: the average over ranks of each rank's loss, in one process.
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sum(ref(x[i:i + 1], i % 2).sum() for i in range(mpidp.size())).div(mpidp.size()).backward()
+    ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < 1e-12, f"max deviation {err}")
+    _assert_replicas_bitwise(model, "two heads")
+
+
+@pytest.mark.mpi
+def test_alternating_requires_grad_gan_style():
+    torch.manual_seed(7)
+    gen = nn.Linear(3, 3).double()
+    disc = nn.Linear(3, 1).double()
+    opt_g = mpidp.DistributedOptimizer(torch.optim.Adam(gen.parameters(), lr=0.01),
+                                       named_parameters=[("g." + n, p)
+                                                         for n, p in gen.named_parameters()])
+    opt_d = mpidp.DistributedOptimizer(torch.optim.Adam(disc.parameters(), lr=0.01),
+                                       named_parameters=[("d." + n, p)
+                                                         for n, p in disc.named_parameters()])
+    g = torch.Generator().manual_seed(11 + mpidp.rank())
+    for _ in range(3):
+        z = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        for p in disc.parameters():
+            p.requires_grad_(True)
+        opt_d.zero_grad()
+        disc(gen(z).detach()).mean().backward()
+        run_all(opt_d.step)
+        for p in disc.parameters():
+            p.requires_grad_(False)
+        opt_g.zero_grad()
+        (-disc(gen(z)).mean()).backward()
+        run_all(opt_g.step)
+    _assert_replicas_bitwise(gen, "generator")
+    _assert_replicas_bitwise(disc, "discriminator")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_optimizer_state_broadcast_keeps_parameters_and_copies_state(kind):
+    model = _model()
+    opt = OPTIMIZERS[kind](model.parameters())
+    opt.param_groups[0]["custom_int"] = 7
+    # Rank-dependent state: each rank takes local steps on its own data, without mpidp.
+    g = torch.Generator().manual_seed(100 + mpidp.rank())
+    for _ in range(mpidp.rank() + 1):
+        opt.zero_grad()
+        model(torch.randn(3, 5, generator=g, dtype=torch.float64)).sum().backward()
+        opt.step()
+    mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
+    params_before = [p.detach().clone() for p in model.parameters()]
+    run_all(mpidp.broadcast_optimizer_state, opt, 0, model=model)
+    unchanged = all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
+    assert_all(unchanged, "broadcast_optimizer_state moved parameters")
+    state = opt.state_dict()
+    flat = {(i, k): (v.tolist() if isinstance(v, torch.Tensor) else v)
+            for i, entry in state["state"].items() for k, v in entry.items()}
+    views = gather((flat, state["param_groups"]))
+    assert_all(all(v == views[0] for v in views), f"{kind}: state differs from rank 0's")
+    group = state["param_groups"][0]
+    assert_all(group["custom_int"] == 7 and type(group["custom_int"]) is int, str(group))
+    if "betas" in group:
+        assert_all(isinstance(group["betas"], tuple), f"betas became {type(group['betas'])}")
+
+
+@pytest.mark.mpi
+def test_named_parameters_errors():
+    model = _model()
+    params = list(model.named_parameters())
+    raises_all(ValueError, mpidp.DistributedOptimizer,
+               torch.optim.SGD(model.parameters(), lr=0.1),
+               named_parameters=params + params[:1], match="duplicate")
+    raises_all(ValueError, mpidp.DistributedOptimizer,
+               torch.optim.SGD(model.parameters(), lr=0.1),
+               named_parameters=params[:2], match="does not cover")
+
+
+@pytest.mark.mpi
+def test_step_after_synchronize_without_skip_warns_once():
+    model = _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    caught = []
+    for (x, y), in _data(steps=2, micro=1):
+        opt.zero_grad()
+        F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            opt.step()
+        caught.append(sum("skip_synchronize" in str(m.message) for m in w))
+    assert_all(caught == [1, 0], f"warnings per step {caught}")
+
+
+@pytest.mark.mpi
+def test_no_sync_accumulates_without_reducing_until_the_last_pass():
+    model, ref = _model(), _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (step,) = _data(steps=1, micro=3)
+    opt.zero_grad()
+    with opt.no_sync():
+        for x, y in step[:2]:
+            (F.cross_entropy(model(_shard(x)), _shard(y)) / 3).backward()
+    x, y = step[2]
+    (F.cross_entropy(model(_shard(x)), _shard(y)) / 3).backward()
+    run_all(opt.step)
+    ref_opt.zero_grad()
+    F.cross_entropy(ref(torch.cat([x for x, _ in step])),
+                    torch.cat([y for _, y in step])).backward()
+    ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < 1e-10, f"max deviation {err}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compressed_gradients_are_close_and_identical_on_every_rank(compression):
+    model, ref = _model().float(), _model().float()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     compression=getattr(mpidp.Compression, compression))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for (x, y), in _data(steps=2, micro=1):
+        opt.zero_grad()
+        F.cross_entropy(model(_shard(x).float()), _shard(y)).backward()
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x.float()), y).backward()
+        ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < 1e-2, f"{compression}: max deviation {err}")
+    _assert_replicas_bitwise(model, compression)
+
+
+@pytest.mark.mpi
+def test_sparse_gradients_as_dense_and_sparse_allreduce():
+    torch.manual_seed(2)
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    ref = copy.deepcopy(emb)
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                     named_parameters=emb.named_parameters(),
+                                     sparse_as_dense=True)
+    ids = torch.arange(mpidp.size()) % 10
+    opt.zero_grad()
+    emb(ids[mpidp.rank():mpidp.rank() + 1]).sum().backward()
+    run_all(opt.step)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (ref(ids).sum() / mpidp.size()).backward()
+    ref_opt.step()
+    err = (emb.weight - ref.weight).abs().max().item()
+    assert_all(err < 1e-12, f"sparse_as_dense deviation {err}")
+
+    r = mpidp.rank()
+    sparse = torch.sparse_coo_tensor([[r % 10]], torch.tensor([[1.0, 2.0]]), (10, 2),
+                                     check_invariants=True)
+    out = mpidp.synchronize(mpidp.sparse_allreduce_async(sparse, name="sparse.sum",
+                                                         op=mpidp.Sum))
+    expected = torch.zeros(10, 2)
+    for i in range(mpidp.size()):
+        expected[i % 10] += torch.tensor([1.0, 2.0])
+    assert_all(out.is_sparse and torch.equal(out.to_dense(), expected), str(out))
+
+
+@pytest.mark.mpi
+def test_objects_and_check_replicas():
+    r = mpidp.rank()
+    got = mpidp.broadcast_object({"tuple": (1, 2.5), "from": r}, root_rank=mpidp.size() - 1)
+    assert_all(got == {"tuple": (1, 2.5), "from": mpidp.size() - 1}, str(got))
+    every = mpidp.allgather_object(["rank", r] * (r + 1))
+    assert_all(every == [["rank", i] * (i + 1) for i in range(mpidp.size())], str(every))
+    model = _model()
+    run_all(mpidp.check_replicas, model)
+    if mpidp.size() > 1:
+        if r == mpidp.size() - 1:
+            with torch.no_grad():
+                model[2].bias.add_(1e-9)
+        err = raises_all(mpidp.MpidpError, mpidp.check_replicas, model)
+        assert_all(f"rank {mpidp.size() - 1}: 2.bias" in str(err), str(err))
