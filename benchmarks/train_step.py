@@ -1,0 +1,137 @@
+"""Training-step time at np=2, contenders side by side: no communication, mpidp, DDP (gloo), per-tensor MPI.
+
+    mpiexec -n 2 python benchmarks/train_step.py [--rounds 6] [--steps 8] [--json out.json]
+
+One torch thread per rank. Each round runs every contender for --steps steps on its own copy of
+the model (same initial weights), in a rotating order; medians over all rounds are reported with
+ratios: scaling efficiency = no-communication step / mpidp step, and DDP step / mpidp step.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
+
+import mpidp  # noqa: E402
+
+MODELS = {
+    "resnet18": (models.ResNet18, lambda b: torch.randn(b, 3, 32, 32), 16, 1000),
+    "mlp6.3M": (models.mlp, lambda b: torch.randn(b, 1024), 32, 10),
+}
+
+
+def setup_gloo(comm):
+    """torch.distributed with gloo for the DDP contender, rendezvous address sent over MPI."""
+    port = comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+
+
+class Contender:
+    def __init__(self, name, model, optimizer, after_backward=None):
+        self.name, self.model, self.optimizer = name, model, optimizer
+        self.after_backward = after_backward
+        self.times = []
+
+    def step(self, x, y):
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        F.cross_entropy(self.model(x), y).backward()
+        if self.after_backward:
+            self.after_backward()
+        self.optimizer.step()
+        return time.perf_counter() - start
+
+
+def contenders(build, comm):
+    torch.manual_seed(0)
+    base = build()
+    size = comm.size
+
+    def sgd(m):
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+
+    out = []
+    m = copy.deepcopy(base)
+    out.append(Contender("no communication", m, sgd(m)))
+    m = copy.deepcopy(base)
+    out.append(Contender("mpidp", m, mpidp.DistributedOptimizer(
+        sgd(m), named_parameters=m.named_parameters())))
+    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    out.append(Contender("DDP (gloo)", m, sgd(m)))
+    m = copy.deepcopy(base)
+    raw = comm.Dup()
+
+    def per_tensor():
+        for p in m.parameters():
+            raw.Allreduce(MPI.IN_PLACE, p.grad.numpy())
+            p.grad.div_(size)
+    out.append(Contender("per-tensor MPI after backward", m, sgd(m), per_tensor))
+    return out
+
+
+def bench_model(name, comm, rounds, steps):
+    build, make_input, batch, classes = MODELS[name]
+    runners = contenders(build, comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    x, y = make_input(batch), torch.randint(0, classes, (batch,), generator=g)
+    for c in runners:  # warm-up: allocator, caches, mpidp's response cache
+        for _ in range(3):
+            c.step(x, y)
+    for r in range(rounds):
+        order = runners[r % len(runners):] + runners[:r % len(runners)]
+        for c in order:
+            comm.Barrier()
+            c.times += [c.step(x, y) for _ in range(steps)]
+    med = {c.name: statistics.median(c.times) * 1e3 for c in runners}
+    # The slowest rank sets the pace: take each contender's max median over ranks.
+    med = {k: max(v) for k, v in zip(med, zip(*comm.allgather(list(med.values()))))}
+    return med
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    mpidp.init()
+    setup_gloo(comm)
+    results = {}
+    for name in args.models.split(","):
+        results[name] = bench_model(name, comm, args.rounds, args.steps)
+    if comm.rank == 0:
+        print(f"train step, np={comm.size}, 1 torch thread per rank, medians of "
+              f"{args.rounds}x{args.steps} steps (ms)")
+        for name, med in results.items():
+            base, ours, ddp = med["no communication"], med["mpidp"], med["DDP (gloo)"]
+            print(f"\n{name}")
+            for k, v in med.items():
+                print(f"  {k:32s} {v:8.1f}")
+            print(f"  mpidp / no communication         {ours / base:8.3f}   (goal <= 1.10; "
+                  f"scaling efficiency {base / ours:.3f})")
+            print(f"  DDP (gloo) / mpidp               {ddp / ours:8.3f}   (goal >= 1.5)")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=1)
+    dist.destroy_process_group()
+    mpidp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
