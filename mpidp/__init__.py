@@ -9,6 +9,7 @@ from .errors import (CollectiveError, ConfigError, EngineShutdownError, HorovodI
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, check_replicas)
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_async,
                   allreduce_async_, alltoall_async, barrier, broadcast_async, broadcast_async_,
                   grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,

@@ -15,7 +15,7 @@ _instances = itertools.count()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the arithmetic runs in: float64 stays, everything else (half, bf16) uses float32."""
+    """The dtype the arithmetic runs in: float64 stays float64; float32, half, bf16 use float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -25,6 +25,7 @@ def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
 
 
 def _reduce_dims(ndim: int):
+    """Every dimension but the channels (1). No synchronization."""
     return [0] + list(range(2, ndim))
 
 
@@ -67,6 +68,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, mean, invstd, total, name):
+        """Normalise with the given global statistics. No synchronization (they were exchanged
+        by _global_stats); `name` is the backward allreduce's."""
         acc = mean.dtype
         x = input.to(acc)
         scale = invstd if weight is None else invstd * weight.to(acc)
@@ -166,10 +169,12 @@ class SyncBatchNorm(_BatchNorm):
         self._collective_name = f"mpidp.SyncBatchNorm.{next(_instances)}"
 
     def _check_input_dim(self, input):
+        """2D to 5D input, like BatchNorm1d/2d/3d together. No synchronization."""
         if input.dim() < 2 or input.dim() > 5:
             raise ValueError(f"expected 2D to 5D input (got {input.dim()}D input)")
 
     def _check_channels(self, input):
+        """Fail before communicating if the channel count does not match the layer's tensors."""
         channels = input.shape[1]
         for what, t in (("weight", self.weight), ("bias", self.bias),
                         ("running_mean", self.running_mean), ("running_var", self.running_var)):
@@ -212,6 +217,7 @@ class SyncBatchNorm(_BatchNorm):
 
     @classmethod
     def _convert(cls, module, converted, path="") -> torch.nn.Module:
+        """convert_sync_batchnorm's recursion; appends each replaced layer to `converted`."""
         output = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
             output = cls(module.num_features, module.eps, module.momentum, module.affine,
