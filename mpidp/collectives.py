@@ -59,6 +59,7 @@ class _Broadcast(torch.autograd.Function):
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name):
+        ctx.dim0 = tensor.shape[0]
         out, received = ops.synchronize(ops.alltoall_async(
             tensor, splits=splits if splits is not None else _even_splits(tensor), name=name))
         ctx.received = received
@@ -68,19 +69,38 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         back, _ = ops.synchronize(ops.alltoall_async(grad.contiguous(), splits=ctx.received))
+        if back.shape[0] < ctx.dim0:  # rows this rank never sent get no gradient
+            back = torch.cat([back, back.new_zeros((ctx.dim0 - back.shape[0],) + back.shape[1:])])
         return back, None, None
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op):
-        ctx.op = op
-        return ops.synchronize(ops.reducescatter_async(tensor, name=name, op=op))
+    def forward(ctx, tensor, name, op, pre, post):
+        ctx.scale = pre * post / (_size() if op == Average else 1)
+        return ops.synchronize(ops.reducescatter_async(tensor, name=name, op=op,
+                                                       prescale_factor=pre,
+                                                       postscale_factor=post))
 
     @staticmethod
     def backward(ctx, grad):
         full = ops.synchronize(ops.allgather_async(grad.contiguous()))
-        return (full / _size() if ctx.op == Average else full), None, None
+        return (full * ctx.scale if ctx.scale != 1 else full), None, None, None, None
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, pre, post, *tensors):
+        ctx.op, ctx.pre, ctx.post = op, pre, post
+        return tuple(ops.synchronize(ops.grouped_allreduce_async(
+            tensors, name=name, op=op, prescale_factor=pre, postscale_factor=post)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = ops.synchronize(ops.grouped_allreduce_async(
+            [g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.pre,
+            postscale_factor=ctx.post))
+        return (None, None, None, None) + tuple(reduced)
 
 
 _rank = runtime.rank
@@ -116,10 +136,17 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce a list of tensors, submitted atomically; returns new tensors. Blocks."""
+    """Reduce a list of tensors, submitted atomically; returns new tensors; differentiable.
+    Blocks until every rank has submitted the group."""
     wire = [compression.compress(t) for t in tensors]
-    outs = ops.synchronize(ops.grouped_allreduce_async([w for w, _ in wire], average, name, op,
-                                                       prescale_factor, postscale_factor))
+    if any(_wants_grad(w) for w, _ in wire):
+        op = ops._resolve_op(average, op, "grouped_allreduce")
+        outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
+                                       *[w for w, _ in wire])
+    else:
+        outs = ops.synchronize(ops.grouped_allreduce_async([w for w, _ in wire], average, name,
+                                                           op, prescale_factor,
+                                                           postscale_factor))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wire)]
 
 
@@ -166,8 +193,8 @@ def alltoall(tensor, splits=None, name=None):
 
 def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce across ranks and keep this rank's rows of dim 0; differentiable. Blocks."""
-    if _wants_grad(tensor) and prescale_factor == 1.0 and postscale_factor == 1.0:
-        return _Reducescatter.apply(tensor, name, op)
+    if _wants_grad(tensor):
+        return _Reducescatter.apply(tensor, name, op, prescale_factor, postscale_factor)
     return ops.synchronize(ops.reducescatter_async(tensor, name=name, op=op,
                                                    prescale_factor=prescale_factor,
                                                    postscale_factor=postscale_factor))

@@ -73,9 +73,12 @@ def _check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float
                         f"not {tensor.dtype}")
 
 
+_UNNAMED = "<unnamed>"  # stands in for the number an unnamed op draws once it is accepted
+
+
 def _name(state, name: Optional[str], what: str):
     if name is None:
-        return state.auto_name(), False
+        return _UNNAMED, False
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what}: name must be a non-empty string, got {name!r}")
     return name, True
@@ -88,6 +91,15 @@ def _request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=
 
 
 def _submit(state, entries: List[Entry], finish) -> int:
+    first = entries[0].request if entries else None
+    if first is not None and not first.cacheable and first.name.startswith(_UNNAMED):
+        # Numbered only now, after validation: an op refused on one rank must not shift the
+        # numbering that matches unnamed ops across ranks.
+        number = state.auto_name()
+        for entry in entries:
+            name = entry.request.name.replace(_UNNAMED, number, 1)
+            entry.request = entry.request._replace(name=name)
+            entry.handle.name = name
     state.engine.submit(entries)
     return state.handles.register([e.handle for e in entries], finish)
 
@@ -133,7 +145,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """Start an in-place allreduce of `tensor`; returns a handle (see allreduce_async)."""
     state, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
                                         postscale_factor, True)
-    return _submit(state, entries, _first)
+    return _submit(state, entries, lambda results: tensor)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -147,9 +159,10 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0) -> int:
     """In-place form of grouped_allreduce_async."""
-    state, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
+    tensors = list(tensors)
+    state, entries = _grouped_allreduce(tensors, average, name, op, prescale_factor,
                                         postscale_factor, True, "grouped_allreduce")
-    return _submit(state, entries, list)
+    return _submit(state, entries, lambda results: tensors)
 
 
 # ---- allgather ----
@@ -194,7 +207,7 @@ def _broadcast(tensor, root_rank, name, inplace) -> int:
                          f"has ranks 0..{size - 1}")
     out = t if inplace else torch.empty_like(t)
     req = _request(base, cacheable, OpType.BROADCAST, t, root=root_rank)
-    return _submit(state, [_entry(req, t, out)], _first)
+    return _submit(state, [_entry(req, t, out)], (lambda results: tensor) if inplace else _first)
 
 
 def broadcast_async(tensor, root_rank, name=None) -> int:
@@ -308,8 +321,12 @@ def join(device: int = -1) -> int:
     """Declare that this rank has no more data; until every rank has joined, its allreduces
     contribute zeros to the others'. Blocks until all ranks joined; returns the last to join."""
     state = runtime.state()
-    req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False)
-    return synchronize(_submit(state, [_entry(req, None, None)], _first))
+    req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False, serial=state.unnamed_count())
+    last, serial = synchronize(_submit(state, [_entry(req, None, None)], _first))
+    # Ranks that kept going numbered unnamed ops (barriers, allreduces) the joined ranks did not;
+    # all continue from the highest count so later unnamed ops match again.
+    state.resume_names(serial)
+    return last
 
 
 def poll(handle: int) -> bool:

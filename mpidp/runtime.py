@@ -29,6 +29,14 @@ class _State:
             self._noname += 1
             return f"noname.{self._noname}"
 
+    def unnamed_count(self) -> int:
+        return self._noname
+
+    def resume_names(self, count: int) -> None:
+        """Continue unnamed numbering from `count` (after a join, the same on every rank)."""
+        with self._lock:
+            self._noname = max(self._noname, count)
+
 
 _state: Optional[_State] = None
 _atexit_registered = False

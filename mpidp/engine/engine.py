@@ -243,7 +243,7 @@ class Engine:
                 self._complete(entry, error=MismatchError(resp.error))
             elif resp.op == OpType.JOIN:
                 self.joined = False
-                self._complete(self.pending.get(JOIN_NAME), result=resp.last_joined)
+                self._complete(self.pending.get(JOIN_NAME), result=(resp.last_joined, resp.serial))
             elif entry is None and resp.op == OpType.BARRIER:
                 continue  # this rank is joined: the others' barrier needs nothing from it
             elif entry is None and resp.op != OpType.ALLREDUCE:

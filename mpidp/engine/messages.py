@@ -50,6 +50,7 @@ class Request(NamedTuple):
     postscale: float = 1.0
     root: int = -1
     cacheable: bool = True
+    serial: int = 0  # JOIN only: how many unnamed ops this rank has numbered
 
     def signature(self) -> tuple:
         """What must be equal on every rank for the same name (alltoall/allgather: dim 0 may differ)."""
@@ -80,6 +81,7 @@ class Response(NamedTuple):
     error: str = ""                             # ERROR/SHUTDOWN: the message for every rank
     last_joined: int = -1                       # JOIN: the rank that joined last
     joined: Tuple[int, ...] = ()                # ranks joined when this response was made
+    serial: int = 0                             # JOIN: the highest unnamed-op count of any rank
 
 
 def op_label(request: Request) -> str:

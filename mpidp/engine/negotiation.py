@@ -80,12 +80,14 @@ class MessageTable:
         self.table: Dict[str, Dict[int, Request]] = {}
         self.first_seen: Dict[str, float] = {}
         self.joined: List[int] = []
+        self.join_serial = 0
 
     def add(self, rank: int, requests: Sequence[Request]) -> None:
         for req in requests:
             if req.op == OpType.JOIN:
                 if rank not in self.joined:
                     self.joined.append(rank)
+                self.join_serial = max(self.join_serial, req.serial)
                 continue
             slot = self.table.setdefault(req.name, {})
             self.first_seen.setdefault(req.name, time.monotonic())
@@ -113,6 +115,7 @@ class MessageTable:
                                 joined=tuple(sorted(joined - set(slot)))))
         if len(self.joined) == self.size:
             out.append(Response(JOIN_NAME, OpType.JOIN, Request(JOIN_NAME, OpType.JOIN),
-                                last_joined=self.joined[-1]))
+                                last_joined=self.joined[-1], serial=self.join_serial))
             self.joined = []
+            self.join_serial = 0
         return out

@@ -1,0 +1,40 @@
+"""Session set-up for the MPI test suite: mpidp.init() once on every rank, shutdown at the end."""
+
+import pytest
+
+import mpidp
+from mpi_util import assert_all, gather, raises_all, run_all  # noqa: F401 (re-exported helpers)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mpidp_session():
+    """mpidp.init() once for the whole session on every rank; shutdown at its end."""
+    mpidp.init()
+    yield
+    mpidp.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def mpidp_still_initialised(mpidp_session):
+    """After each test, mpidp must still be initialised on every rank (lifecycle tests re-init)
+    and every rank must have numbered the same count of unnamed ops; if not, fail the test and
+    re-initialise so that later tests are not failed by it."""
+    yield
+    ok = mpidp.is_initialized()
+    views = gather((ok, _unnamed_counter() if ok else None))
+    counters = [c for _, c in views]
+    in_step = all(c == counters[0] for c in counters)
+    if not all(o for o, _ in views) or not in_step:
+        # Restart so that later tests start from a clean, agreed state.
+        mpidp.shutdown()
+        mpidp.init()
+    assert_all(ok, "the test left mpidp shut down")
+    assert_all(in_step,
+               f"the ranks submitted different numbers of unnamed ops (barrier included), so "
+               f"later unnamed ops would be matched wrongly: counters {counters}")
+
+
+def _unnamed_counter():
+    """How many unnamed ops this rank has numbered (mpidp internals; None if not available)."""
+    from mpidp import runtime
+    return getattr(runtime.state(), "_noname", None)

@@ -1,0 +1,125 @@
+"""Collective assertion helpers and tensor helpers shared by the MPI test modules."""
+
+import traceback
+
+import torch
+
+import mpidp
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool]
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+INT_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+SIGNED_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64]
+
+
+def dtype_id(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _world():
+    # The user's communicator; mpidp works on its own duplicates of it.
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def assert_all(ok, msg: str = "") -> None:
+    """Assert `ok` on every rank at once: allgather each rank's verdict and fail all ranks if any
+    rank failed, naming the failing ranks and their messages. Call it on every rank."""
+    verdicts = _world().allgather((bool(ok), "" if ok else str(msg)))
+    bad = [(r, m) for r, (good, m) in enumerate(verdicts) if not good]
+    if bad:
+        ranks = ",".join(str(r) for r, _ in bad)
+        details = "\n".join(f"  rank {r}: {m}" for r, m in bad)
+        raise AssertionError(f"check failed on rank(s) {ranks}:\n{details}")
+
+
+def gather(value):
+    """Every rank's `value`, in rank order (mpi4py allgather on COMM_WORLD)."""
+    return _world().allgather(value)
+
+
+def run_all(fn, *args, **kwargs):
+    """Run fn on every rank; an exception on any rank fails every rank (with the traceback)
+    instead of leaving the others waiting. Returns fn's result."""
+    try:
+        result, err = fn(*args, **kwargs), None
+    except Exception:  # noqa: BLE001 - converted to a collective verdict
+        result, err = None, traceback.format_exc()
+    assert_all(err is None, err)
+    return result
+
+
+def raises_all(exc_type, fn, *args, match=None, **kwargs):
+    """Expect fn to raise exc_type on every rank (message containing `match`, if given).
+    Returns this rank's exception. If fn returns an integer handle instead of raising, the handle
+    is synchronized so no op is left pending."""
+    exc, msg = None, ""
+    try:
+        result = fn(*args, **kwargs)
+        msg = f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__}"
+        if isinstance(result, int) and not isinstance(result, bool):
+            try:
+                mpidp.synchronize(result)
+            except Exception as e2:  # noqa: BLE001
+                msg += f" (its op then failed: {e2!r})"
+    except exc_type as e:
+        exc = e
+        if match is not None and match not in str(e):
+            msg = f"{exc_type.__name__} message {str(e)!r} does not contain {match!r}"
+            exc = None
+    except Exception as e:  # noqa: BLE001
+        msg = f"raised {type(e).__name__}: {e} instead of {exc_type.__name__}"
+    assert_all(exc is not None, msg)
+    return exc
+
+
+def same_everywhere(value, what: str = "value") -> None:
+    """Every rank holds an equal `value` (compared with ==)."""
+    values = gather(value)
+    ok = all(v == values[0] for v in values)
+    assert_all(ok, f"{what} differs across ranks: {values!r}")
+
+
+# ---- tensor helpers ----
+
+def cast(values: torch.Tensor, dtype) -> torch.Tensor:
+    """Exact small integers (int64/float64) as `dtype`; bool means odd."""
+    if dtype == torch.bool:
+        return (values.to(torch.int64) % 2) == 1
+    return values.to(dtype)
+
+
+def tensor_diff(actual, expected, exact: bool = None) -> str:
+    """'' if actual matches expected in dtype, shape and value, else a description."""
+    if not isinstance(actual, torch.Tensor):
+        return f"expected a tensor, got {type(actual).__name__}"
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype}, expected {expected.dtype}"
+    if tuple(actual.shape) != tuple(expected.shape):
+        return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if exact is None:
+        exact = not expected.is_floating_point()
+    if exact:
+        if not torch.equal(actual, expected):
+            return f"values {actual.tolist()}, expected {expected.tolist()}"
+        return ""
+    try:
+        torch.testing.assert_close(actual, expected)
+    except AssertionError as e:
+        return f"values {actual.tolist()}, expected {expected.tolist()}: {e}"
+    return ""
+
+
+def check_tensor(actual, expected, what: str, exact: bool = None) -> None:
+    """Collective: actual equals expected on every rank."""
+    diff = tensor_diff(actual, expected, exact)
+    assert_all(not diff, f"{what}: {diff}")
+
+
+def rank() -> int:
+    return mpidp.rank()
+
+
+def size() -> int:
+    return mpidp.size()
