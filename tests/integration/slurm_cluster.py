@@ -1,0 +1,531 @@
+"""A throwaway single-node Slurm cluster on localhost, for tests that submit real batch jobs.
+
+    cluster = SlurmCluster()
+    cluster.start()          # install if missing (root + apt-get), configure, start, wait for idle
+    job = cluster.sbatch("examples/slurm/train_srun.sbatch", out_dir=tmp)
+    cluster.stop()           # scontrol shutdown, stop munged, check they are gone, restore config
+
+What start() does (the recipe of shared/ENVIRONMENT.md, "Slurm, for real, on this machine"):
+
+- `sbatch` missing: as root with apt-get, `apt-get install slurm-wlm munge` (retried); otherwise
+  raise Unavailable, which the caller turns into a skip (or a failure under CI=true).
+- munge: Debian's postinst creates /etc/munge/munge.key; if it is missing, `mungekey` makes one.
+  /run/munge does not exist without systemd, so it is created; munged runs as user munge. A munged
+  that is already running and answering is used as it is and left running at stop().
+- /etc/slurm/slurm.conf: written with MARKER as its first line. A slurm.conf without the marker (not
+  ours) is moved to slurm.conf.mpidp-backup and put back at stop(); ours is removed at stop().
+- slurmctld is started with -c (clear saved state: no jobs or node states left from a previous
+  run), then slurmd; start() returns once `sinfo` shows the node idle.
+- A slurmctld/slurmd already running under a config of ours (left by a killed test run) is shut
+  down and restarted; under a config that is not ours, start() refuses (Unavailable) rather than
+  take over someone's cluster.
+- One test cluster at a time per machine: start() waits (lock_timeout) for another test session's
+  cluster to be stopped.
+
+Only root can do any of this (config in /etc, daemons that run jobs as any user).
+"""
+
+import errno
+import fcntl
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MARKER = "# Written by mpidp's tests/integration/slurm_cluster.py for a test cluster; safe to delete."
+CONF = Path("/etc/slurm/slurm.conf")
+BACKUP = Path("/etc/slurm/slurm.conf.mpidp-backup")
+STATE_DIRS = ("/var/lib/slurm/slurmctld", "/var/lib/slurm/slurmd", "/var/log/slurm")
+SLURMCTLD_LOG = Path("/var/log/slurm/slurmctld.log")
+SLURMD_LOG = Path("/var/log/slurm/slurmd.log")
+PIDFILES = {"slurmctld": Path("/run/slurmctld.pid"), "slurmd": Path("/run/slurmd.pid"),
+            "munged": Path("/run/munge/munged.pid")}
+MUNGE_KEY = Path("/etc/munge/munge.key")
+MUNGE_DIRS = ("/run/munge", "/var/log/munge", "/var/lib/munge")
+# Held from start() to stop(): two test sessions on one machine would otherwise shut down each
+# other's cluster. The kernel drops it if the holder dies.
+LOCK = Path("/run/mpidp-slurm-test.lock")
+
+PACKAGES = ("slurm-wlm", "munge")
+# Daemons live in sbin, which a non-login or non-root PATH may lack.
+_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin",
+                                "/usr/local/bin", "/usr/bin", "/bin"])
+# The daemons get a plain environment, not the test's (venv first in PATH, pytest variables).
+_DAEMON_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "LANG": "C.UTF-8", "HOME": "/root"}
+
+
+class Unavailable(Exception):
+    """Slurm cannot be had here (not installed and not installable, not root, someone else's
+    cluster running); the message says why."""
+
+
+class SlurmError(RuntimeError):
+    """Slurm is there but did not start or stop as expected; the message carries the logs."""
+
+
+def which(name):
+    return shutil.which(name, path=_SEARCH_PATH)
+
+
+def missing_programs():
+    return [p for p in ("sbatch", "srun", "sinfo", "scontrol", "scancel", "slurmctld", "slurmd",
+                        "munged", "munge", "unmunge") if which(p) is None]
+
+
+def is_root():
+    return os.geteuid() == 0
+
+
+def install(attempts=3, timeout=600):
+    """apt-get install slurm-wlm munge (quietly, retried). Raises Unavailable if it cannot."""
+    if not is_root():
+        raise Unavailable("Slurm is not installed and we are not root, so it cannot be installed "
+                          f"(missing: {', '.join(missing_programs())}; as root: apt-get install "
+                          f"{' '.join(PACKAGES)})")
+    apt = which("apt-get")
+    if apt is None:
+        raise Unavailable("Slurm is not installed and there is no apt-get to install it with "
+                          f"(missing: {', '.join(missing_programs())})")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    log = ""
+    for attempt in range(1, attempts + 1):
+        try:
+            up = subprocess.run([apt, "-qq", "update"], capture_output=True, text=True, env=env,
+                                timeout=timeout, stdin=subprocess.DEVNULL)
+            inst = subprocess.run([apt, "install", "-y", "-qq", "--no-install-recommends",
+                                   *PACKAGES], capture_output=True, text=True, env=env,
+                                  timeout=timeout, stdin=subprocess.DEVNULL)
+            log = up.stdout + up.stderr + inst.stdout + inst.stderr
+            if inst.returncode == 0 and not missing_programs():
+                return
+        except subprocess.TimeoutExpired as e:
+            log = f"timed out after {timeout}s: {e.cmd}"
+        if attempt < attempts:
+            time.sleep(5 * attempt)
+    raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed {attempts} times; last "
+                      f"output:\n{log[-3000:]}")
+
+
+def daemon_pids(name):
+    """Live (not zombie) processes whose command name is `name`, from /proc."""
+    pids = []
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().strip() != name:
+                    continue
+            pid = int(comm.split("/")[2])
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            pids.append(pid)
+    return sorted(pids)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _read_pid(path):
+    try:
+        pid = int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def _tail(path, lines=40):
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"({path}: {e.strerror})"
+
+
+def _run(cmd, timeout=30, env=None, check=False):
+    """Run a short command; output goes through a file, not a pipe, because the daemons we start
+    fork into the background and could otherwise hold a pipe open (and us waiting on it)."""
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env=env, timeout=timeout)
+        out.seek(0)
+        text = out.read()
+    if check and proc.returncode != 0:
+        raise SlurmError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{text}")
+    return proc.returncode, text
+
+
+def _wait_until(predicate, timeout, interval=0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def node_name():
+    return socket.gethostname().split(".")[0]  # `hostname -s`
+
+
+def cpu_count():
+    _, out = _run(["nproc"])  # what `nproc` says (the affinity mask), as slurmd will see it
+    try:
+        return int(out.strip())
+    except ValueError:
+        return os.cpu_count() or 1
+
+
+def real_memory_mb():
+    """A bit under the machine's memory: slurmd drains a node that has less than configured."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                total_mb = int(line.split()[1]) // 1024
+                return max(256, min(total_mb - 512, int(total_mb * 0.9)))
+    return 1024
+
+
+def slurm_conf(host, cpus, memory_mb):
+    return f"""{MARKER}
+ClusterName=mpidp-test
+SlurmctldHost={host}
+SlurmUser=root
+AuthType=auth/munge
+MpiDefault=pmi2
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+ReturnToService=2
+StateSaveLocation=/var/lib/slurm/slurmctld
+SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmctldPidFile={PIDFILES['slurmctld']}
+SlurmdPidFile={PIDFILES['slurmd']}
+SlurmctldLogFile={SLURMCTLD_LOG}
+SlurmdLogFile={SLURMD_LOG}
+# Finished jobs are forgotten after 5 s instead of 300: `sbatch --wait` sleeps 2 s between polls
+# and quadruples that while it is under MinJobAge/2, so with 300 a 20 s job is noticed after 42 s;
+# with 5 it polls every 2 s.
+MinJobAge=5
+NodeName={host} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+def _is_ours(path):
+    try:
+        with open(path) as f:
+            return f.readline().rstrip("\n") == MARKER
+    except OSError:
+        return False
+
+
+class Job:
+    """What `sbatch --wait` returned: the job id, its exit code, and the job's output file(s)."""
+
+    def __init__(self, job_id, returncode, sbatch_output, output, error, seconds):
+        self.job_id = job_id
+        self.returncode = returncode
+        self.sbatch_output = sbatch_output
+        self.output = output      # the -o file
+        self.error = error        # the -e file, if one was asked for
+        self.seconds = seconds
+
+    def __repr__(self):
+        return (f"<job {self.job_id}: rc={self.returncode} in {self.seconds:.1f}s\n"
+                f"--- sbatch:\n{self.sbatch_output}\n--- output:\n{self.output}\n"
+                f"--- error:\n{self.error}>")
+
+
+class SlurmCluster:
+    def __init__(self, log=None):
+        self.host = node_name()
+        self._log = log or (lambda msg: print(f"[slurm_cluster] {msg}", file=sys.stderr))
+        self._started_munged = False
+        self._conf_backed_up = False
+        self._conf_written = False
+        self._shm_before = set()
+        self._lock = None
+        self.started = False
+
+    # -- start -----------------------------------------------------------------------------
+
+    def start(self, timeout=60, lock_timeout=900):
+        """Install if needed, configure and start; return when the node is idle. Raises
+        Unavailable (cannot be had here) or SlurmError (there but broken, with the logs)."""
+        t0 = time.monotonic()
+        if missing_programs():
+            self._log(f"installing {' '.join(PACKAGES)} (missing: {', '.join(missing_programs())})")
+            install()
+            self._log(f"installed in {time.monotonic() - t0:.1f}s")
+        if not is_root():
+            raise Unavailable("a test Slurm cluster needs root (it writes /etc/slurm/slurm.conf "
+                              "and starts munged, slurmctld and slurmd)")
+        self._acquire_lock(lock_timeout)
+        try:
+            running = {d: daemon_pids(d) for d in ("slurmctld", "slurmd")}
+            if any(running.values()) and not _is_ours(CONF):
+                raise Unavailable(
+                    f"Slurm daemons not started by these tests are running ({running}) under "
+                    f"{CONF} that is not ours; not touching someone else's cluster")
+        except BaseException:
+            self._release_lock()
+            raise
+        self._shm_before = set(glob.glob("/dev/shm/mpich_shm_*"))
+        try:
+            self._start_munge()
+            if any(running.values()):
+                self._log(f"daemons left by an earlier run {running}: shutting them down first")
+                self._stop_slurm_daemons()
+            self._write_conf()
+            for d in STATE_DIRS:
+                os.makedirs(d, exist_ok=True)
+            # Fresh logs, so that errors shown on failure are this run's.
+            for log in (SLURMCTLD_LOG, SLURMD_LOG):
+                with open(log, "w"):
+                    pass
+            self.started = True
+            _run([which("slurmctld"), "-c"], env=_DAEMON_ENV, check=True)
+            _run([which("slurmd")], env=_DAEMON_ENV, check=True)
+            self._wait_idle(timeout)
+        except BaseException:
+            self.stop(check=False)
+            raise
+        self._log(f"node {self.host} idle after {time.monotonic() - t0:.1f}s")
+
+    def _acquire_lock(self, timeout):
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise Unavailable(f"another test session has held {LOCK} (its test Slurm "
+                                      f"cluster) for more than {timeout}s")
+                if not said:
+                    self._log("another test session is using the test cluster; waiting for it")
+                    said = True
+                time.sleep(1)
+        self._lock = fd
+
+    def _release_lock(self):
+        if self._lock is not None:
+            os.close(self._lock)  # drops the flock
+            self._lock = None
+
+    def _start_munge(self):
+        for d in MUNGE_DIRS:
+            os.makedirs(d, exist_ok=True)
+            shutil.chown(d, "munge", "munge")
+        if not MUNGE_KEY.exists():
+            self._log(f"{MUNGE_KEY} missing: creating one with mungekey")
+            _run([which("mungekey") or "/usr/sbin/mungekey", "--create", "--keyfile",
+                  str(MUNGE_KEY)], check=True)
+            shutil.chown(MUNGE_KEY, "munge", "munge")
+            os.chmod(MUNGE_KEY, 0o400)
+        if self._munge_works():
+            self._log("munged already running; using it (and leaving it running)")
+            return
+        stale = daemon_pids("munged")
+        if stale:
+            raise SlurmError(f"munged is running ({stale}) but does not answer `munge -n`")
+        _run(["runuser", "-u", "munge", "--", which("munged")], env=_DAEMON_ENV, check=True)
+        self._started_munged = True
+        if not _wait_until(self._munge_works, 10):
+            raise SlurmError("munged started but `munge -n | unmunge` fails:\n"
+                             + _tail("/var/log/munge/munged.log"))
+
+    @staticmethod
+    def _munge_works():
+        try:
+            cred = subprocess.run([which("munge"), "-n"], capture_output=True, timeout=5,
+                                  stdin=subprocess.DEVNULL)
+            if cred.returncode != 0:
+                return False
+            return subprocess.run([which("unmunge")], input=cred.stdout, capture_output=True,
+                                  timeout=5).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    def _write_conf(self):
+        CONF.parent.mkdir(parents=True, exist_ok=True)
+        if BACKUP.exists() and (_is_ours(CONF) or not CONF.exists()):
+            # A run that was killed before stop() left the original here: put it back at stop().
+            self._log(f"{BACKUP} left by an earlier run: restoring it as {CONF} at the end")
+            self._conf_backed_up = True
+        elif CONF.exists() and not _is_ours(CONF):
+            if BACKUP.exists():
+                raise Unavailable(f"{CONF} is not ours and {BACKUP} already exists; move one of "
+                                  "them away by hand")
+            self._log(f"{CONF} is not ours: moving it to {BACKUP} until the tests end")
+            os.rename(CONF, BACKUP)
+            self._conf_backed_up = True
+        text = slurm_conf(self.host, cpu_count(), real_memory_mb())
+        tmp = CONF.with_name(CONF.name + ".tmp")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, CONF)
+        self._conf_written = True
+
+    def node_state(self):
+        rc, out = _run([which("sinfo"), "-h", "-N", "-n", self.host, "-o", "%T"], timeout=15)
+        return out.strip() if rc == 0 else f"(sinfo rc={rc}: {out.strip()})"
+
+    def _wait_idle(self, timeout):
+        resumed = False
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.node_state()
+            if state == "idle":
+                return
+            # A node remembered as drained/down needs a nudge (ReturnToService=2 covers "down"
+            # after a restart, not an admin drain).
+            if not resumed and any(s in state for s in ("drain", "down")) and "(" not in state:
+                _run([which("scontrol"), "update", f"NodeName={self.host}", "State=RESUME"])
+                resumed = True
+            for d in ("slurmctld", "slurmd"):
+                if not daemon_pids(d):
+                    raise SlurmError(self._diagnostics(f"{d} is not running (node state: {state})"))
+            time.sleep(0.5)
+        raise SlurmError(self._diagnostics(f"node {self.host} not idle after {timeout}s "
+                                           f"(sinfo says {state!r})"))
+
+    def _diagnostics(self, headline):
+        _, info = _run([which("scontrol"), "show", "node", self.host], timeout=10)
+        return (f"{headline}\n--- scontrol show node:\n{info}\n--- {SLURMCTLD_LOG}:\n"
+                f"{_tail(SLURMCTLD_LOG)}\n--- {SLURMD_LOG}:\n{_tail(SLURMD_LOG)}")
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def sbatch(self, script, *args, out_dir, sbatch_args=(), env=None, timeout=180,
+               separate_error=False):
+        """`sbatch --wait -o OUT_DIR/out.%j [-e OUT_DIR/err.%j] SBATCH_ARGS SCRIPT ARGS` from the
+        repository root. On timeout the job is cancelled and TimeoutExpired re-raised."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        name = f"mpidp-test-{uuid.uuid4().hex[:8]}"  # to find the job again if we must cancel it
+        cmd = [which("sbatch"), "--wait", "-J", name, "-o", str(out_dir / "out.%j")]
+        if separate_error:
+            cmd += ["-e", str(out_dir / "err.%j")]
+        cmd += [*sbatch_args, str(script), *map(str, args)]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT),
+                                  env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            _run([which("scancel"), "-n", name], timeout=15)
+            raise
+        seconds = time.monotonic() - start
+        job_id = None
+        for word in proc.stdout.split():
+            if word.isdigit():
+                job_id = word
+        def read(prefix):
+            if job_id is None:
+                return ""
+            try:
+                return (out_dir / f"{prefix}.{job_id}").read_text(errors="replace")
+            except OSError as e:
+                return f"({prefix}.{job_id}: {e.strerror})"
+        return Job(job_id, proc.returncode, proc.stdout + proc.stderr, read("out"),
+                   read("err") if separate_error else "", seconds)
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def _stop_slurm_daemons(self, timeout=30):
+        """scontrol shutdown; if a daemon outlives it, SIGTERM then SIGKILL it by its pid."""
+        if daemon_pids("slurmctld"):
+            _run([which("scontrol"), "shutdown"], timeout=15)
+        gone = _wait_until(lambda: not daemon_pids("slurmctld") and not daemon_pids("slurmd"),
+                           timeout)
+        if not gone:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for d in ("slurmctld", "slurmd"):
+                    for pid in daemon_pids(d):
+                        self._log(f"{d} (pid {pid}) outlived scontrol shutdown: {sig.name}")
+                        try:
+                            os.kill(pid, sig)
+                        except OSError:
+                            pass
+                if _wait_until(lambda: not daemon_pids("slurmctld") and not daemon_pids("slurmd"),
+                               10):
+                    break
+
+    def stop(self, check=True):
+        """Stop what start() started and put the config back. With check, raise SlurmError if a
+        daemon we started is still running afterwards."""
+        problems = []
+        if self.started:
+            self._stop_slurm_daemons()
+            self.started = False
+        munged_pid = None
+        if self._started_munged:
+            munged_pid = _read_pid(PIDFILES["munged"])
+            _run(["runuser", "-u", "munge", "--", which("munged"), "--stop"], timeout=15)
+            if munged_pid is not None and not _wait_until(lambda: not _alive(munged_pid), 10):
+                self._log(f"munged (pid {munged_pid}) outlived munged --stop: SIGKILL")
+                os.kill(munged_pid, signal.SIGKILL)
+                _wait_until(lambda: not _alive(munged_pid), 5)
+            self._started_munged = False
+        for d in ("slurmctld", "slurmd"):
+            if daemon_pids(d):
+                problems.append(f"{d} still running: {daemon_pids(d)}")
+        if munged_pid is not None and _alive(munged_pid):
+            problems.append(f"munged (pid {munged_pid}) still running")
+        if self._conf_written:
+            if _is_ours(CONF):
+                CONF.unlink()
+            self._conf_written = False
+        if self._conf_backed_up:
+            os.rename(BACKUP, CONF)
+            self._conf_backed_up = False
+        self._clean_shm()
+        self._release_lock()
+        if problems and check:
+            raise SlurmError("; ".join(problems))
+
+    def _clean_shm(self):
+        """Remove /dev/shm/mpich_shm_* files that appeared since start() and no process maps."""
+        new = set(glob.glob("/dev/shm/mpich_shm_*")) - self._shm_before
+        if not new:
+            return
+        mapped = set()
+        for maps in glob.glob("/proc/[0-9]*/maps"):
+            try:
+                with open(maps) as f:
+                    mapped.update(line.split(None, 5)[-1].strip() for line in f
+                                  if "/dev/shm/mpich_shm_" in line)
+            except OSError:
+                pass
+        for path in sorted(new - mapped):
+            try:
+                if os.stat(path).st_uid == os.getuid():
+                    os.unlink(path)
+                    self._log(f"removed leftover {path}")
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    self._log(f"could not remove {path}: {e}")
