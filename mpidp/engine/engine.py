@@ -21,7 +21,9 @@ from .tensor_queue import Entry, TensorQueue
 F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED = 1, 2, 4, 8
 _CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
               OpType.REDUCESCATTER)
-_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Longest sleep between cycles while this rank has ops waiting for other ranks: bounds the delay
+# a late peer sees (about 1 ms, as one Horovod cycle) without spinning through a backward pass.
+_WAITING_BACKOFF_MAX_S = 1e-3
 
 
 def _pack_bits(bits, words: int) -> np.ndarray:
@@ -87,17 +89,20 @@ class Engine:
             cycle_time = self.config.cycle_time_ms / 1000.0
             while reason is None:
                 start = time.perf_counter()
-                busy, reason = self._cycle()
+                progress, reason = self._cycle()
                 if reason is not None:
                     break
-                if busy:
+                if progress:
                     backoff = 0.0
                     rest = cycle_time - (time.perf_counter() - start)
                     if rest > 0:
                         time.sleep(rest)
                 else:
-                    # Idle: sleep unless woken by a submission; a longer idle sleeps longer.
-                    backoff = min(max_backoff, max(5e-5, backoff * 2))
+                    # No progress: sleep unless woken by a submission, longer the longer nothing
+                    # happens. Spinning here would take the CPU from the ranks still computing
+                    # the gradients this rank waits for; while ops wait, the cap stays short.
+                    cap = min(max_backoff, _WAITING_BACKOFF_MAX_S) if self.pending else max_backoff
+                    backoff = min(cap, max(5e-5, backoff * 2))
                     self.queue.wake.wait(backoff)
             clean = True
         except BaseException as exc:  # the engine must never die silently
@@ -146,7 +151,8 @@ class Engine:
 
     def _cycle(self):
         self.queue.wake.clear()
-        for entry in self.queue.drain():
+        drained = self.queue.drain()
+        for entry in drained:
             self._admit(entry)
         self.cycles += 1
         words = (self.cache.num_bits + 63) // 64
@@ -187,7 +193,7 @@ class Engine:
         if responses and responses[-1].op == OpType.SHUTDOWN:
             stop = EngineShutdownError(responses.pop().error)
         self._execute(responses)
-        return bool(responses or self.pending), stop
+        return bool(responses or drained), stop
 
     def _slow_path(self, flags: int) -> List[Response]:
         if flags & F_JOINED:

@@ -10,8 +10,9 @@ from .. import mpi
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry
 
-# MPI has no bfloat16 (MPICH rejects the op, Open MPI sums wrongly): reduce those in float32.
-_WIDEN = {torch.bfloat16: torch.float32}
+# MPI has no bfloat16 (MPICH rejects the op, Open MPI sums wrongly), and MPICH reduces float16
+# about 10x slower than float32 (11 ms vs 1.2 ms for 2.4 MB): reduce both in float32.
+_WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 # Reinterpretation for ops that only move bytes (gather, broadcast, alltoall): numpy lacks bfloat16.
 _BYTES_VIEW = {torch.bfloat16: torch.int16}
 
