@@ -338,7 +338,11 @@ def synchronize(handle: int, timeout: Optional[float] = None):
     """Wait for the op behind `handle` and return its output (a tuple for alltoall with splits,
     a list for grouped ops). Raises the op's error, the same one on every rank. With `timeout`
     (seconds), raises OpTimeoutError and keeps the handle valid if the op is still pending."""
-    return runtime.state().handles.wait(handle, timeout)
+    state = runtime.state()
+    if state.handles.poll(handle):
+        return state.handles.wait(handle)
+    with state.engine.user_waiting():
+        return state.handles.wait(handle, timeout)
 
 
 def sparse_allreduce_async(tensor, name=None, op=Average) -> int:

@@ -1,5 +1,6 @@
 """The engine thread: drain, negotiate (cache bits, then coordinator), fuse, execute, complete."""
 
+import contextlib
 import threading
 import time
 import traceback
@@ -55,6 +56,7 @@ class Engine:
         self.invalid = set()
         self.joined = False
         self.cycles = 0
+        self.waiters = 0  # user threads blocked in synchronize(); read by the engine thread
         self._stop = False
         self.error: Optional[BaseException] = None  # why the engine stopped, once it has
         self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
@@ -77,6 +79,15 @@ class Engine:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @contextlib.contextmanager
+    def user_waiting(self):
+        """Marks a user thread as blocked on a result (the engine may then spin for peers)."""
+        self.waiters += 1
+        try:
+            yield
+        finally:
+            self.waiters -= 1
 
     # ---- engine thread ----
 
@@ -170,7 +181,9 @@ class Engine:
         vec[words:2 * words] = ~_pack_bits(self.invalid, words)
         vec[-1] = ~np.uint64(flags)
         self.invalid = set()
-        mpi.allreduce_band(self.comms.control, vec)
+        # Spin for the peers only while a user thread is blocked on a result: during a backward
+        # pass the CPU belongs to the gradients still being computed.
+        mpi.allreduce_band(self.comms.control, vec, spin=self.waiters > 0)
         flags = int(~vec[-1])
         if flags & F_SHUTDOWN:
             return False, EngineShutdownError(

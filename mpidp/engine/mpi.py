@@ -25,11 +25,12 @@ def mpi_op(reduce_op: int, is_bool: bool):
     return (_BOOL_OPS if is_bool else _MPI_OPS)[ReduceOp(reduce_op)]
 
 
-def wait(request) -> None:
-    """Complete a non-blocking MPI request: spin briefly, then poll with a bounded back-off."""
+def wait(request, spin: bool = True) -> None:
+    """Complete a non-blocking MPI request: spin briefly (if `spin`), then poll with a bounded
+    back-off. Spinning pays off only when nobody on this rank needs the CPU."""
     if request.Test():
         return
-    end = time.perf_counter() + _SPIN_S
+    end = time.perf_counter() + (_SPIN_S if spin else 0.0)
     while time.perf_counter() < end:
         if request.Test():
             return
@@ -64,9 +65,9 @@ class Comms:
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
 
-def allreduce_band(comm, vec: np.ndarray) -> None:
+def allreduce_band(comm, vec: np.ndarray, spin: bool = True) -> None:
     """Bitwise AND of a uint64 vector across ranks, in place."""
-    wait(comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND))
+    wait(comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND), spin)
 
 
 def gather_objects(comm, obj, root: int) -> Optional[list]:
