@@ -14,6 +14,9 @@ try:
     mpidp.init()
 except mpidp.ConfigError as exc:
     print(f"rank {rank}: ConfigError: {exc}", flush=True)
+    # The launcher kills the job when the first rank exits non-zero: let every rank print first.
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
     sys.exit(3)
 print(f"rank {rank}: initialised", flush=True)
 mpidp.shutdown()
