@@ -76,10 +76,11 @@ KNOBS: Tuple[Knob, ...] = (
          "Shortest time between the starts of two engine cycles while work flows. 0 (Horovod: "
          "1 ms) because the cycle wakes on submission: a fixed wait adds directly to the latency "
          "of every blocking op.", horovod="HOROVOD_CYCLE_TIME"),
-    Knob("idle_backoff_max_ms", "MPIDP_IDLE_BACKOFF_MAX_MS", _nonneg_float, 5.0,
-         "An idle engine sleeps between cycles, doubling up to this many ms, so it costs well "
-         "under 2 % of a core; the first op after a long idle spell waits at most this long "
-         "for its peers."),
+    Knob("idle_backoff_max_ms", "MPIDP_IDLE_BACKOFF_MAX_MS", _nonneg_float, 50.0,
+         "An idle engine sleeps between cycles, doubling up to this many ms: 0.8 % of a core "
+         "at 50 against 5.9 % at 5 (BENCHMARKS.md). A submission wakes the local engine at "
+         "once, and a peer's engine wakes on its own submission of the same op, so this adds "
+         "no latency to ops every rank submits."),
     Knob("cache_capacity", "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
          "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
          horovod="HOROVOD_CACHE_CAPACITY"),

@@ -57,6 +57,7 @@ class Engine:
         self.joined = False
         self.cycles = 0
         self.waiters = 0  # user threads blocked in synchronize(); read by the engine thread
+        self._finished: list = []  # (entry, result, error) completed in this cycle
         self._stop = False
         self.error: Optional[BaseException] = None  # why the engine stopped, once it has
         self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
@@ -205,7 +206,10 @@ class Engine:
         stop = None
         if responses and responses[-1].op == OpType.SHUTDOWN:
             stop = EngineShutdownError(responses.pop().error)
-        self._execute(responses)
+        try:
+            self._execute(responses)
+        finally:
+            self._release()
         return bool(responses or drained), stop
 
     def _slow_path(self, flags: int) -> List[Response]:
@@ -245,14 +249,20 @@ class Engine:
         return responses
 
     def _complete(self, entry: Optional[Entry], result=None, error=None) -> None:
-        if entry is None:
-            return
-        self.pending.pop(entry.request.name, None)
-        self.queue.finished(entry.request.name)
-        if error is not None:
-            entry.handle.set_error(error)
-        else:
-            entry.handle.set_result(result)
+        if entry is not None:
+            self._finished.append((entry, result, error))
+
+    def _release(self) -> None:
+        """Wake the waiters of everything this cycle finished, all at once at its end: a waiter
+        woken per tensor would fight the engine for the GIL through the rest of the cycle."""
+        for entry, result, error in self._finished:
+            self.pending.pop(entry.request.name, None)
+            self.queue.finished(entry.request.name)
+            if error is not None:
+                entry.handle.set_error(error)
+            else:
+                entry.handle.set_result(result)
+        self._finished = []
 
     def _execute(self, responses: List[Response]) -> None:
         data = []

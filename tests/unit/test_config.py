@@ -14,7 +14,7 @@ DEFAULTS = {
     "fuse_below_bytes": 64 * 1024,
     "chunk_bytes": 4 * MiB,
     "cycle_time_ms": 0.0,
-    "idle_backoff_max_ms": 5.0,
+    "idle_backoff_max_ms": 50.0,
     "cache_capacity": 1024,
     "stall_warning_s": 60.0,
     "stall_shutdown_s": 0.0,
