@@ -115,7 +115,10 @@ class Engine:
                     # the gradients this rank waits for; while ops wait, the cap stays short.
                     cap = min(max_backoff, _WAITING_BACKOFF_MAX_S) if self.pending else max_backoff
                     backoff = min(cap, max(5e-5, backoff * 2))
-                    self.queue.wake.wait(backoff)
+                    self.queue.sleeping = True
+                    if not self.queue.has_new() and not self._stop:
+                        self.queue.wake.wait(backoff)
+                    self.queue.sleeping = False
             clean = True
         except BaseException as exc:  # the engine must never die silently
             logger.error("engine failed:\n%s", traceback.format_exc())

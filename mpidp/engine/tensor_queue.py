@@ -37,7 +37,8 @@ class TensorQueue:
         self._new: List[Entry] = []
         self._in_flight = set()
         self._closed: Optional[BaseException] = None
-        self.wake = threading.Event()  # set on submission so an idle engine starts a cycle
+        self.wake = threading.Event()  # set on submission so a sleeping engine starts a cycle
+        self.sleeping = False  # the engine is (about to be) waiting on `wake`
 
     def push(self, entries: List[Entry]) -> None:
         """Enqueue atomically (a grouped op is all or nothing); raise on duplicate names."""
@@ -52,7 +53,10 @@ class TensorQueue:
                         f"on this rank; synchronize it first or give each op a unique name")
             self._in_flight.update(names)
             self._new.extend(entries)
-        self.wake.set()
+        # Waking an engine that is mid-cycle is wasted work (it drains the queue next cycle
+        # anyway) and takes the GIL from a burst of submissions.
+        if self.sleeping:
+            self.wake.set()
 
     def drain(self) -> List[Entry]:
         with self._lock:

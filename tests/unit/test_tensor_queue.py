@@ -28,9 +28,11 @@ def test_push_then_drain_in_order():
     assert not q.has_new()
     es = [entry("a"), entry("b")]
     q.push(es)
+    assert not q.wake.is_set()  # an engine that is mid-cycle is not woken
+    q.sleeping = True
     q.push([entry("c")])
     assert q.has_new()
-    assert q.wake.is_set()
+    assert q.wake.is_set()  # a sleeping one is
     assert [e.request.name for e in q.drain()] == ["a", "b", "c"]
     assert not q.has_new()
     assert q.drain() == []

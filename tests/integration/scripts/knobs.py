@@ -13,7 +13,8 @@ import mpidp  # noqa: E402
 try:
     mpidp.init()
 except mpidp.ConfigError as exc:
-    print(f"rank {rank}: ConfigError: {exc}", flush=True)
+    # One short line per rank: long lines from several ranks can interleave in the launcher.
+    print(f"rank {rank}: ConfigError: {str(exc)[:80]}", flush=True)
     # The launcher kills the job when the first rank exits non-zero: let every rank print first.
     from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()
