@@ -220,8 +220,6 @@ class Engine:
             for bit in list(self.cached):
                 self._unbit(bit)
         requests = [e.request for e in self.to_send]
-        for entry in self.to_send:
-            entry.sent = True
         self.to_send = []
         snapshot = None
         if flags & F_STALL:

@@ -2,7 +2,7 @@
 
 import pickle
 import time
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -57,10 +57,6 @@ class Comms:
         for comm in (self.control, self.cross, self.local, self.world):
             if comm != MPI.COMM_NULL:
                 comm.Free()
-
-    def agree(self, obj) -> List:
-        """Blocking allgather of a small object (init-time checks only)."""
-        return self.world.allgather(obj)
 
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
@@ -127,7 +123,3 @@ def alltoallv(comm, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts
 
 def reduce_scatter(comm, send: np.ndarray, recv: np.ndarray, counts, op) -> None:
     comm.Reduce_scatter(send, recv, list(counts), op=op)
-
-
-def barrier(comm) -> None:
-    comm.Barrier()

@@ -13,8 +13,7 @@ from .messages import Request, op_label
 class Entry:
     """A submitted op as the engine holds it: request, tensors and handle."""
 
-    __slots__ = ("request", "tensor", "output", "handle", "extra", "submitted", "bit", "sent",
-                 "cache_key")
+    __slots__ = ("request", "tensor", "output", "handle", "extra", "submitted", "bit", "cache_key")
 
     def __init__(self, request: Request, tensor: Optional[torch.Tensor],
                  output: Optional[torch.Tensor], handle: Handle, extra=None):
@@ -25,7 +24,6 @@ class Entry:
         self.extra = extra        # op-specific: alltoall splits
         self.submitted = time.monotonic()
         self.bit = -1             # response-cache bit while waiting on the fast path
-        self.sent = False         # already sent to the coordinator
         self.cache_key = request.cache_key() if request.cacheable else None
 
 

@@ -18,7 +18,7 @@ def test_entry_fields():
     e = entry("a")
     assert e.request.name == "a" and e.output is e.tensor
     assert e.handle.name == "a"
-    assert e.bit == -1 and e.sent is False
+    assert e.bit == -1
     assert e.cache_key == e.request.cache_key()
     assert entry("b", cacheable=False).cache_key is None
 
