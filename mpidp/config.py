@@ -52,6 +52,20 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _choice(*allowed):
+    def parse(text: str) -> str:
+        low = text.strip().lower()
+        if low not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return low
+    parse.__name__ = "choice"
+    return parse
+
+
+def _path(text: str) -> str:
+    return text.strip()
+
+
 def _log_level(text: str) -> str:
     low = text.strip().lower()
     if low not in ("trace", "debug", "info", "warning", "error", "fatal"):
@@ -93,6 +107,39 @@ KNOBS: Tuple[Knob, ...] = (
          "op; 0 means never.", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
     Knob("log_level", "MPIDP_LOG_LEVEL", _log_level, "warning",
          "Level of mpidp's rank-prefixed log.", horovod="HOROVOD_LOG_LEVEL", must_agree=False),
+    Knob("abort_on_error", "MPIDP_ABORT_ON_ERROR", _parse_bool, True,
+         "An uncaught exception on any rank logs rank, host and traceback, then aborts the "
+         "whole job (MPI_Abort) so no other rank waits for it forever; 0 turns this off.",
+         must_agree=False),
+    Knob("timeline_path", "MPIDP_TIMELINE", _path, "",
+         "Rank 0 writes a Chrome-trace JSON timeline of every op to this file; empty: none.",
+         horovod="HOROVOD_TIMELINE", must_agree=False),
+    Knob("timeline_mark_cycles", "MPIDP_TIMELINE_MARK_CYCLES", _parse_bool, False,
+         "Also mark each engine cycle in the timeline.", horovod="HOROVOD_TIMELINE_MARK_CYCLES",
+         must_agree=False),
+    Knob("backend", "MPIDP_BACKEND", _choice("auto", "mpi", "nccl", "gloo"), "auto",
+         "Data path: mpi (host or CUDA-aware MPI), nccl or gloo (a torch.distributed process "
+         "group bootstrapped over MPI); auto picks mpi for CPU tensors and nccl for CUDA ones "
+         "when NCCL is available. Negotiation always runs on MPI."),
+    Knob("cuda_aware_mpi", "MPIDP_CUDA_AWARE_MPI", _choice("auto", "0", "1"), "auto",
+         "Whether MPI may be handed CUDA device buffers: auto detects it from the MPI library; "
+         "0 stages through pinned host buffers; 1 forces device buffers."),
+    Knob("hierarchical_allreduce", "MPIDP_HIERARCHICAL_ALLREDUCE", _parse_bool, False,
+         "Allreduce as reduce-scatter inside each node, allreduce across nodes, allgather "
+         "inside the node (on host memory too).", horovod="HOROVOD_HIERARCHICAL_ALLREDUCE"),
+    Knob("simulated_local_size", "MPIDP_SIMULATED_LOCAL_SIZE", _nonneg_int, 0,
+         "Test knob: group consecutive ranks into nodes of this many ranks instead of asking "
+         "MPI which ranks share memory; 0: ask MPI."),
+    Knob("rendezvous_host", "MPIDP_RENDEZVOUS_HOST", _path, "",
+         "Address rank 0 announces for the gloo/nccl process group's store; empty: rank 0's "
+         "host name."),
+    Knob("autotune", "MPIDP_AUTOTUNE", _parse_bool, False,
+         "Tune the fusion thresholds and cycle time on live traffic (knobs set explicitly are "
+         "left alone); rank 0 scores and decides, all ranks switch together.",
+         horovod="HOROVOD_AUTOTUNE"),
+    Knob("autotune_log", "MPIDP_AUTOTUNE_LOG", _path, "",
+         "Rank 0 appends one CSV line per autotune sample to this file; empty: no log.",
+         horovod="HOROVOD_AUTOTUNE_LOG", must_agree=False),
 )
 
 _BY_FIELD: Dict[str, Knob] = {k.field: k for k in KNOBS}
@@ -111,6 +158,16 @@ class Config:
     stall_warning_s: float
     stall_shutdown_s: float
     log_level: str
+    abort_on_error: bool
+    timeline_path: str
+    timeline_mark_cycles: bool
+    backend: str
+    cuda_aware_mpi: str
+    hierarchical_allreduce: bool
+    simulated_local_size: int
+    rendezvous_host: str
+    autotune: bool
+    autotune_log: str
     explicit: frozenset = frozenset()  # fields set through the environment or overrides
 
     def agreed_items(self) -> Tuple[Tuple[str, object], ...]:

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import EngineShutdownError, MismatchError
 from ..log import logger
 from . import fusion, mpi
-from .backends.host import HostBackend
+from .backends import make_backend
 from .messages import JOIN_NAME, OpType, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
@@ -41,15 +41,16 @@ def _unpack_bits(vec: np.ndarray) -> np.ndarray:
 class Engine:
     """One per init(); all of its MPI calls happen on its own thread, on its own communicators."""
 
-    def __init__(self, comms, config):
+    def __init__(self, comms, config, set_id: int = 0):
         self.comms = comms
+        self.set_id = set_id  # process set this engine serves (0: the global set)
         self.config = config
         self.rank, self.size = comms.rank, comms.size
         self.queue = TensorQueue()
         self.cache = ResponseCache(config.cache_capacity)
         self.table = MessageTable(self.size) if self.rank == 0 else None
         self.stall = StallInspector(self.size, config.stall_warning_s, config.stall_shutdown_s)
-        self.backend = HostBackend(comms.world, config)
+        self.backend = make_backend(comms, config)
         self.pending: Dict[str, Entry] = {}
         self.cached: Dict[int, Entry] = {}   # bit -> entry waiting on the fast path
         self.to_send: List[Entry] = []

@@ -19,6 +19,16 @@ DEFAULTS = {
     "stall_warning_s": 60.0,
     "stall_shutdown_s": 0.0,
     "log_level": "warning",
+    "abort_on_error": True,
+    "timeline_path": "",
+    "timeline_mark_cycles": False,
+    "backend": "auto",
+    "cuda_aware_mpi": "auto",
+    "hierarchical_allreduce": False,
+    "simulated_local_size": 0,
+    "rendezvous_host": "",
+    "autotune": False,
+    "autotune_log": "",
 }
 
 HOROVOD_ALIASES = [
@@ -28,6 +38,9 @@ HOROVOD_ALIASES = [
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "stall_warning_s", "30", 30.0),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_s", "120", 120.0),
     ("HOROVOD_LOG_LEVEL", "log_level", "DEBUG", "debug"),
+    ("HOROVOD_TIMELINE", "timeline_path", "/tmp/tl.json", "/tmp/tl.json"),
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "1", True),
+    ("HOROVOD_AUTOTUNE", "autotune", "1", True),
 ]
 
 
@@ -60,6 +73,13 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
     ("MPIDP_STALL_SHUTDOWN_S", "stall_shutdown_s", "300", 300.0),
     ("MPIDP_LOG_LEVEL", "log_level", "Info", "info"),
     ("MPIDP_LOG_LEVEL", "log_level", "trace", "trace"),
+    ("MPIDP_ABORT_ON_ERROR", "abort_on_error", "0", False),
+    ("MPIDP_TIMELINE", "timeline_path", " /tmp/t.json ", "/tmp/t.json"),
+    ("MPIDP_BACKEND", "backend", "Gloo", "gloo"),
+    ("MPIDP_CUDA_AWARE_MPI", "cuda_aware_mpi", "1", "1"),
+    ("MPIDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "yes", True),
+    ("MPIDP_SIMULATED_LOCAL_SIZE", "simulated_local_size", "2", 2),
+    ("MPIDP_AUTOTUNE", "autotune", "1", True),
 ])
 def test_mpidp_variables_are_parsed(var, field, raw, expected):
     cfg = config.load({var: raw})
@@ -80,7 +100,9 @@ def test_horovod_aliases(var, field, raw, expected):
 def test_mpidp_variable_wins_over_horovod_alias(var, field, raw, expected):
     knob = next(k for k in config.KNOBS if k.field == field)
     assert knob.horovod == var
-    mine = "info" if field == "log_level" else "3"
+    mine = {"log_level": "info", "timeline_path": "/tmp/mine.json"}.get(field, "3")
+    if isinstance(expected, bool):
+        mine = "0"
     cfg = config.load({var: raw, knob.env: mine})
     assert getattr(cfg, field) == knob.parse(mine)
     assert getattr(cfg, field) != expected
@@ -114,6 +136,10 @@ def test_mpidp_variable_wins_even_when_alias_is_malformed():
     ("HOROVOD_CACHE_CAPACITY", "many"),
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1"),
     ("HOROVOD_LOG_LEVEL", "loud"),
+    ("MPIDP_BACKEND", "mpich"),
+    ("MPIDP_CUDA_AWARE_MPI", "maybe"),
+    ("MPIDP_ABORT_ON_ERROR", "2"),
+    ("MPIDP_SIMULATED_LOCAL_SIZE", "-2"),
 ])
 def test_malformed_value_raises_config_error_naming_variable_and_value(var, raw):
     with pytest.raises(ConfigError) as info:
@@ -182,7 +208,9 @@ def test_agreed_items_excludes_log_level():
     cfg = config.load({})
     fields = [f for f, _ in cfg.agreed_items()]
     assert "log_level" not in fields
-    assert set(fields) == set(DEFAULTS) - {"log_level"}
+    local = {"log_level", "abort_on_error", "timeline_path", "timeline_mark_cycles",
+             "autotune_log"}
+    assert set(fields) == set(DEFAULTS) - local
     assert dict(cfg.agreed_items())["cache_capacity"] == 1024
 
 
