@@ -1,5 +1,7 @@
 """The engine's MPI module: the only engine code that touches mpi4py (communicators, polling, wire calls)."""
 
+import ctypes
+import os
 import pickle
 import time
 from typing import Optional
@@ -57,6 +59,51 @@ class Comms:
         for comm in (self.control, self.cross, self.local, self.world):
             if comm != MPI.COMM_NULL:
                 comm.Free()
+
+
+# ---- facts about the MPI library (for `doctor` and the CUDA data path) ----
+
+def library_version() -> str:
+    """The MPI library's own version string (MPI_Get_library_version), stripped."""
+    return MPI.Get_library_version().strip()
+
+
+def thread_level_name() -> str:
+    """The thread level MPI was initialised with: single, funneled, serialized or multiple."""
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    level = MPI.Query_thread()
+    return names.get(level, str(level))
+
+
+def _libmpi_paths():
+    """Paths of the MPI shared library this process has loaded (Linux: from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi.so")
+                  or os.path.basename(p).startswith("libmpi_"))
+
+
+def cuda_aware_support() -> Optional[bool]:
+    """Whether the MPI library accepts CUDA device buffers; None when it cannot tell.
+
+    Asks the library's MPIX_Query_cuda_support (MPICH >= 4, Open MPI >= 4 export it), which
+    reports the run-time answer (MPICH: also off when MPIR_CVAR_ENABLE_GPU=0). mpi4py does not
+    wrap it, and mpi4py loads libmpi privately, so the symbol is looked up in that library file.
+    """
+    for path in _libmpi_paths():
+        try:
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
+            query = lib.MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        query.argtypes = []
+        return bool(query())
+    return None
 
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
