@@ -2,7 +2,10 @@
 
 import atexit
 import os
+import socket
+import sys
 import threading
+import traceback
 from typing import Optional
 
 from . import config as _config
@@ -57,6 +60,43 @@ def _warn_lonely_world(size: int) -> None:
             logger.warning("MPI reports a world of size 1, but %s=%s announced %s ranks: each "
                            "process is running alone.%s", var, value, value, hint)
             return
+
+
+_previous_excepthook = None
+
+
+def _abort_on_uncaught(exc_type, exc, tb) -> None:
+    """sys.excepthook while abort_on_error is on: log who failed and why, then end every rank."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1 or MPI.Is_finalized():  # nobody else can be left waiting
+        (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    logger.critical("uncaught %s on rank %d (host %s); aborting all %d ranks of the job "
+                    "(MPIDP_ABORT_ON_ERROR=0 turns this off):\n%s", exc_type.__name__,
+                    world.Get_rank(), socket.gethostname(), world.Get_size(), text.rstrip())
+    previous = _previous_excepthook
+    if previous is not None and previous is not sys.__excepthook__:
+        previous(exc_type, exc, tb)  # the user's own hook still runs; the default would repeat ours
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream must not stop the abort
+            pass
+    # Without this, the other ranks would wait in their next collective for this one forever.
+    # MPICH's Abort returns to the caller while the launcher tears the job down: leave now.
+    world.Abort(1)
+    os._exit(1)
+
+
+def _install_abort_hook(enabled: bool) -> None:
+    global _previous_excepthook
+    if enabled and sys.excepthook is not _abort_on_uncaught:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
+    elif not enabled and sys.excepthook is _abort_on_uncaught:
+        sys.excepthook = _previous_excepthook or sys.__excepthook__
 
 
 def _check_thread_level(MPI) -> None:
@@ -128,6 +168,7 @@ def init(comm=None, **overrides) -> None:
         if comm is not None and base is not comm:
             base.Free()
         _configure_log(comms.rank, comms.size, cfg.log_level)
+        _install_abort_hook(cfg.abort_on_error)
         _warn_lonely_world(comms.size)
         homogeneous = len(set(comms.local_sizes)) == 1
         engine = Engine(comms, cfg)

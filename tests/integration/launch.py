@@ -1,5 +1,7 @@
 """Launch mpiexec from a test: the venv's hydra, a hard timeout, and captured output."""
 
+import errno
+import glob
 import os
 import shutil
 import subprocess
@@ -40,3 +42,39 @@ def run(n: int, script, *args, env=None, timeout: float = 120, mpi_args=()) -> R
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout,
                           cwd=str(ROOT), stdin=subprocess.DEVNULL)
     return Result(proc, time.monotonic() - start)
+
+
+SHM_GLOB = "/dev/shm/mpich_shm_*"
+
+
+def shm_files() -> set:
+    """MPICH's shared-memory segments present now."""
+    return set(glob.glob(SHM_GLOB))
+
+
+def clean_shm(before: set) -> list:
+    """Remove segments that appeared since `before`, belong to us and no live process maps.
+
+    A job killed by a signal never unlinks its segment; left alone they fill /dev/shm.
+    """
+    new = shm_files() - before
+    if not new:
+        return []
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f
+                              if "/dev/shm/mpich_shm_" in line)
+        except OSError:
+            pass
+    removed = []
+    for path in sorted(new - mapped):
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+    return removed

@@ -25,7 +25,6 @@ What start() does (the recipe of shared/ENVIRONMENT.md, "Slurm, for real, on thi
 Only root can do any of this (config in /etc, daemons that run jobs as any user).
 """
 
-import errno
 import fcntl
 import glob
 import os
@@ -38,6 +37,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from .launch import clean_shm, shm_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -290,7 +291,7 @@ class SlurmCluster:
         except BaseException:
             self._release_lock()
             raise
-        self._shm_before = set(glob.glob("/dev/shm/mpich_shm_*"))
+        self._shm_before = shm_files()
         try:
             self._start_munge()
             if any(running.values()):
@@ -510,22 +511,5 @@ class SlurmCluster:
 
     def _clean_shm(self):
         """Remove /dev/shm/mpich_shm_* files that appeared since start() and no process maps."""
-        new = set(glob.glob("/dev/shm/mpich_shm_*")) - self._shm_before
-        if not new:
-            return
-        mapped = set()
-        for maps in glob.glob("/proc/[0-9]*/maps"):
-            try:
-                with open(maps) as f:
-                    mapped.update(line.split(None, 5)[-1].strip() for line in f
-                                  if "/dev/shm/mpich_shm_" in line)
-            except OSError:
-                pass
-        for path in sorted(new - mapped):
-            try:
-                if os.stat(path).st_uid == os.getuid():
-                    os.unlink(path)
-                    self._log(f"removed leftover {path}")
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    self._log(f"could not remove {path}: {e}")
+        for path in clean_shm(self._shm_before):
+            self._log(f"removed leftover {path}")

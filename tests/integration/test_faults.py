@@ -1,0 +1,81 @@
+"""Fault injection under a real mpiexec: a rank that raises, dies, stalls or loses its engine ends the job."""
+
+import re
+import time
+
+import pytest
+
+from .launch import SCRIPTS, run
+
+SCRIPT = SCRIPTS / "faults.py"
+# Time allowed from the injected fault to the end of the whole job (the issue's bound for a
+# killed rank; the others must be at least as prompt).
+BOUND_S = 10.0
+
+
+def _launch(n, mode, rank, step=3, env=None, timeout=90):
+    res = run(n, SCRIPT, mode, "--rank", rank, "--step", step, env=env, timeout=timeout)
+    ended = time.time()
+    match = re.search(rf"rank {rank}: injecting {mode} at step {step} at ([0-9.]+)", res.stdout)
+    assert match, f"the fault was never injected:\n{res.output}"
+    return res, ended - float(match.group(1))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_without_a_fault_the_job_finishes(n):
+    res = run(n, SCRIPT, "none", timeout=90)
+    assert res.returncode == 0, res.output
+    assert res.stdout.count("finished") == n, res.output
+
+
+@pytest.mark.parametrize("n, rank", [(2, 1), (3, 0), (4, 2)])
+def test_uncaught_exception_aborts_every_rank(n, rank):
+    res, secs = _launch(n, "raise", rank)
+    assert res.returncode != 0, res.output
+    assert secs < BOUND_S, f"job took {secs:.1f} s to end after the fault:\n{res.output}"
+    assert f"uncaught RuntimeError on rank {rank} (host " in res.stderr, res.output
+    assert f"aborting all {n} ranks" in res.stderr
+    assert f"injected failure on rank {rank} at step 3" in res.stderr  # the traceback
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+    assert "finished" not in res.stdout
+
+
+def test_exception_with_abort_off_still_ends_the_job():
+    # Without the abort, the failed rank's exit runs shutdown(), which ends the peers' engines.
+    res, secs = _launch(3, "raise", 1, env={"MPIDP_ABORT_ON_ERROR": "0"})
+    assert res.returncode != 0, res.output
+    assert "aborting" not in res.stderr
+    assert "injected failure on rank 1" in res.stderr
+    assert "a rank called mpidp.shutdown()" in res.stderr, res.output
+    assert "finished" not in res.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_killed_rank_ends_the_job_within_bound(n):
+    res, secs = _launch(n, "kill", n - 1)
+    assert res.returncode != 0, res.output
+    assert secs < BOUND_S, f"job took {secs:.1f} s to end after SIGKILL:\n{res.output}"
+    assert "signal 9" in res.output or "Killed" in res.output, res.output
+    assert "finished" not in res.stdout
+
+
+def test_stalled_rank_shuts_the_engine_down_and_ends_the_job():
+    limit = 3
+    res, secs = _launch(3, "stall", 2, env={"MPIDP_STALL_WARNING_S": "1",
+                                            "MPIDP_STALL_SHUTDOWN_S": str(limit)})
+    assert res.returncode != 0, res.output
+    assert secs < limit + BOUND_S, f"job took {secs:.1f} s to end after the stall:\n{res.output}"
+    assert "missing ranks 2" in res.stderr, res.output  # the warning names the missing rank
+    assert re.search(r"EngineShutdownError: stall: op '[^']+' waited [0-9.]+ s for ranks 2 "
+                     rf"\(MPIDP_STALL_SHUTDOWN_S={limit}\)", res.stderr), res.output
+    assert "finished" not in res.stdout
+
+
+def test_engine_failure_fails_later_ops_and_ends_the_job():
+    res, secs = _launch(3, "engine", 1)
+    assert res.returncode != 0, res.output
+    assert secs < BOUND_S, f"job took {secs:.1f} s to end after the engine failed:\n{res.output}"
+    assert "OSError: injected engine failure" in res.stderr, res.output
+    assert ("rank 1: later op failed: mpidp's engine failed on rank 1: OSError: injected "
+            "engine failure") in res.stdout, res.output
+    assert "finished" not in res.stdout
