@@ -140,6 +140,20 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("autotune_log", "MPIDP_AUTOTUNE_LOG", _path, "",
          "Rank 0 appends one CSV line per autotune sample to this file; empty: no log.",
          horovod="HOROVOD_AUTOTUNE_LOG", must_agree=False),
+    Knob("autotune_warmup_samples", "MPIDP_AUTOTUNE_WARMUP_SAMPLES", _nonneg_int, 1,
+         "Autotune drops this many samples after each switch before scoring the new setting "
+         "(the old setting's backlog drains, buffers regrow).",
+         horovod="HOROVOD_AUTOTUNE_WARMUP_SAMPLES", must_agree=False),
+    Knob("autotune_samples_per_point", "MPIDP_AUTOTUNE_SAMPLES_PER_POINT", _pos_int, 3,
+         "Autotune scores a setting by the median of this many samples, which a noisy "
+         "neighbour moves less than a mean.", must_agree=False),
+    Knob("autotune_sample_s", "MPIDP_AUTOTUNE_SAMPLE_S", _nonneg_float, 0.5,
+         "Seconds of traffic in one autotune sample (bytes reduced per second over it); long "
+         "enough to hold several training steps.", must_agree=False),
+    Knob("elastic_checkpoint", "MPIDP_ELASTIC_CHECKPOINT", _path, "",
+         "mpidp.elastic states persist each commit() to this file (rank 0's path counts) and "
+         "elastic.run resumes from it when the job is restarted; empty: in-memory commits "
+         "only. A state's checkpoint_path= argument overrides it.", must_agree=False),
 )
 
 _BY_FIELD: Dict[str, Knob] = {k.field: k for k in KNOBS}
@@ -168,6 +182,10 @@ class Config:
     rendezvous_host: str
     autotune: bool
     autotune_log: str
+    autotune_warmup_samples: int
+    autotune_samples_per_point: int
+    autotune_sample_s: float
+    elastic_checkpoint: str
     explicit: frozenset = frozenset()  # fields set through the environment or overrides
 
     def agreed_items(self) -> Tuple[Tuple[str, object], ...]:

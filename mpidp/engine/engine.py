@@ -10,16 +10,19 @@ import numpy as np
 
 from ..errors import EngineShutdownError, MismatchError
 from ..log import logger
-from . import fusion, mpi
+from . import autotune, fusion, mpi
 from .backends import make_backend
 from .messages import JOIN_NAME, OpType, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
+from .stats import EngineStats
 from .tensor_queue import Entry, TensorQueue
+from .timeline import Timeline
 
 # Status flags travel inverted in the AND-reduced vector, which makes the AND an OR for them.
-F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED = 1, 2, 4, 8
+# F_TUNE: rank 0 broadcasts new autotuned parameters with this cycle's responses.
+F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED, F_TUNE = 1, 2, 4, 8, 16
 _CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
               OpType.REDUCESCATTER)
 # Longest sleep between cycles while this rank has ops waiting for other ranks: bounds the delay
@@ -56,7 +59,21 @@ class Engine:
         self.to_send: List[Entry] = []
         self.invalid = set()
         self.joined = False
-        self.cycles = 0
+        self.stats = EngineStats()
+        # The knobs autotune may change; every rank changes them at the same cycle.
+        self.fusion_threshold_bytes = config.fusion_threshold_bytes
+        self.fuse_below_bytes = config.fuse_below_bytes
+        self.cycle_time_ms = config.cycle_time_ms
+        self.tuner = autotune.Sampler(config, self.params()) \
+            if config.autotune and self.rank == 0 else None
+        self._tune = None  # parameters rank 0 sends at the next coordinator cycle
+        self.timeline: Optional[Timeline] = None  # rank 0 only; swapped by start/stop_timeline
+        if config.timeline_path and set_id == 0 and self.rank == 0:
+            try:
+                self.timeline = Timeline(config.timeline_path, config.timeline_mark_cycles)
+            except OSError as exc:  # raising here would leave the other ranks' engines waiting
+                logger.error("timeline: cannot write %r (%s); running without a timeline",
+                             config.timeline_path, exc)
         self.waiters = 0  # user threads blocked in synchronize(); read by the engine thread
         self._finished: list = []  # (entry, result, error) completed in this cycle
         self._stop = False
@@ -82,6 +99,11 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def params(self) -> dict:
+        """The autotunable knobs' current values on this rank."""
+        return {"fusion_threshold_bytes": self.fusion_threshold_bytes,
+                "fuse_below_bytes": self.fuse_below_bytes, "cycle_time_ms": self.cycle_time_ms}
+
     @contextlib.contextmanager
     def user_waiting(self):
         """Marks a user thread as blocked on a result (the engine may then spin for peers)."""
@@ -99,15 +121,14 @@ class Engine:
         try:
             backoff = 0.0
             max_backoff = self.config.idle_backoff_max_ms / 1000.0
-            cycle_time = self.config.cycle_time_ms / 1000.0
             while reason is None:
-                start = time.perf_counter()
+                start = time.monotonic()
                 progress, reason = self._cycle()
                 if reason is not None:
                     break
                 if progress:
                     backoff = 0.0
-                    rest = cycle_time - (time.perf_counter() - start)
+                    rest = self.cycle_time_ms / 1000.0 - (time.monotonic() - start)
                     if rest > 0:
                         time.sleep(rest)
                 else:
@@ -127,6 +148,10 @@ class Engine:
                                          f"{type(exc).__name__}: {exc}")
         self.error = reason
         self._fail_all(reason)
+        if self.timeline is not None:
+            self.timeline.close()
+        if self.tuner is not None:
+            self.tuner.close()
         if clean:
             self.comms.free()
 
@@ -167,10 +192,15 @@ class Engine:
 
     def _cycle(self):
         self.queue.wake.clear()
+        began = time.monotonic()
+        tl = self.timeline
         drained = self.queue.drain()
+        if tl is not None and drained:
+            tl.drained(drained, began)
         for entry in drained:
             self._admit(entry)
-        self.cycles += 1
+        st = self.stats
+        st.cycles += 1
         words = (self.cache.num_bits + 63) // 64
         flags = 0
         if self.to_send:
@@ -181,11 +211,17 @@ class Engine:
             flags |= F_JOINED
         if self.pending and self.stall.should_raise(self._oldest_age()):
             flags |= F_STALL
+        if self.tuner is not None:
+            if self._tune is None:
+                self._tune = self.tuner.poll(st.bytes, bool(self.pending))
+            if self._tune is not None:
+                flags |= F_TUNE
         vec = np.empty(2 * words + 1, dtype=np.uint64)
         vec[:words] = _pack_bits(self.cached, words)
         vec[words:2 * words] = ~_pack_bits(self.invalid, words)
         vec[-1] = ~np.uint64(flags)
         self.invalid = set()
+        negotiating = time.monotonic()
         # Spin for the peers only while a user thread is blocked on a result: during a backward
         # pass the CPU belongs to the gradients still being computed.
         mpi.allreduce_band(self.comms.control, vec, spin=self.waiters > 0)
@@ -205,40 +241,64 @@ class Engine:
                 responses.append(self.cache.response(bit))
                 self.cache.touch(bit)
                 del self.cached[bit]
-        if flags & (F_UNCACHED | F_STALL | F_JOINED) or len(invalid):
-            responses.extend(self._slow_path(flags))
+        st.cache_hits += len(responses)
+        if tl is not None and responses:
+            tl.negotiated(responses, time.monotonic(), "cache")
+        if flags & (F_UNCACHED | F_STALL | F_JOINED | F_TUNE) or len(invalid):
+            slow = self._slow_path(flags, tl)
+            st.slow_cycles += 1
+            if tl is not None and slow:
+                tl.negotiated(slow, time.monotonic(), "coordinator")
+            responses.extend(slow)
+        st.negotiate_s += time.monotonic() - negotiating
         stop = None
         if responses and responses[-1].op == OpType.SHUTDOWN:
             stop = EngineShutdownError(responses.pop().error)
         try:
-            self._execute(responses)
+            self._execute(responses, tl)
         finally:
             self._release()
+        if tl is not None and (responses or drained):
+            tl.cycle(began, time.monotonic(), len(responses))
         return bool(responses or drained), stop
 
-    def _slow_path(self, flags: int) -> List[Response]:
+    def _slow_path(self, flags: int, tl: Optional[Timeline]) -> List[Response]:
         if flags & F_JOINED:
             for bit in list(self.cached):
                 self._unbit(bit)
         requests = [e.request for e in self.to_send]
+        # How long each request waited here: rank 0's timeline places every rank's submission.
+        now = time.monotonic()
+        ages = [now - e.submitted for e in self.to_send]
         self.to_send = []
         snapshot = None
         if flags & F_STALL:
             now = time.monotonic()
             snapshot = [(name, now - e.submitted) for name, e in self.pending.items()]
-        gathered = mpi.gather_objects(self.comms.control, (requests, snapshot), 0)
+        gathered = mpi.gather_objects(self.comms.control, (requests, snapshot, ages), 0)
         responses = None
         if self.rank == 0:
-            for rank, (reqs, _) in enumerate(gathered):
+            now = time.monotonic()
+            for rank, (reqs, _, waited) in enumerate(gathered):
                 self.table.add(rank, reqs)
+                if tl is not None and reqs:
+                    tl.arrived(rank, reqs, waited, now)
             responses = self.table.ready()
             if flags & F_STALL:
-                reason = self.stall.inspect({r: snap for r, (_, snap) in enumerate(gathered)},
+                reason = self.stall.inspect({r: snap for r, (_, snap, _) in enumerate(gathered)},
                                             self.table.joined)
                 if reason:
                     responses.append(Response("", OpType.SHUTDOWN, error=reason))
-        responses = mpi.bcast_object(self.comms.control, responses, 0)
+        if flags & F_TUNE:
+            # Every rank takes rank 0's new parameters before executing this cycle's batches.
+            responses, params = mpi.bcast_object(self.comms.control, (responses, self._tune), 0)
+            self._tune = None
+            self._set_params(params)
+        else:
+            responses = mpi.bcast_object(self.comms.control, responses, 0)
         for resp in responses:
+            if resp.op in _CACHEABLE:
+                self.stats.cache_misses += 1
             if resp.op in _CACHEABLE and resp.request.cacheable:
                 entry = self.pending.get(resp.name)
                 key = entry.cache_key if entry is not None else resp.request.signature()
@@ -249,6 +309,11 @@ class Engine:
                 # Executed now, so it must not also wait on the bit it was just given.
                 self.cached.pop(bit, None)
         return responses
+
+    def _set_params(self, params: dict) -> None:
+        for field, value in params.items():
+            setattr(self, field, value)
+        logger.debug("autotune: switched to %s", params)
 
     def _complete(self, entry: Optional[Entry], result=None, error=None) -> None:
         if entry is not None:
@@ -266,7 +331,7 @@ class Engine:
                 entry.handle.set_result(result)
         self._finished = []
 
-    def _execute(self, responses: List[Response]) -> None:
+    def _execute(self, responses: List[Response], tl: Optional[Timeline]) -> None:
         data = []
         for resp in responses:
             entry = self.pending.get(resp.name)
@@ -282,9 +347,15 @@ class Engine:
                                      f"{self.rank}")
             else:
                 data.append(resp)
-        cfg = self.config
-        for batch in fusion.plan(data, cfg.fuse_below_bytes, cfg.fusion_threshold_bytes):
+        if not data:
+            return
+        # The data path reports its phases (pack, mpi) through this while a timeline records.
+        self.backend.timeline_mark = None if tl is None else tl.mark
+        for batch in fusion.plan(data, self.fuse_below_bytes, self.fusion_threshold_bytes):
             entries = [self.pending.get(r.name) for r in batch]
+            op = batch[0].op
+            nbytes = 0 if op == OpType.BARRIER else sum(map(fusion.nbytes, batch))
+            began = time.monotonic()
             try:
                 results = self.backend.execute(batch, entries)
             except Exception as exc:  # a bad buffer fails its ops, not the engine
@@ -293,5 +364,9 @@ class Engine:
                     self._complete(entry, error=EngineShutdownError(
                         f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))
                 continue
+            ended = time.monotonic()
+            self.stats.batch(op, len(batch), nbytes, ended - began)
+            if tl is not None:
+                tl.batch_end(batch, began, ended, nbytes)
             for entry, result in zip(entries, results):
                 self._complete(entry, result=result)

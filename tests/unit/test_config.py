@@ -29,6 +29,10 @@ DEFAULTS = {
     "rendezvous_host": "",
     "autotune": False,
     "autotune_log": "",
+    "autotune_warmup_samples": 1,
+    "autotune_samples_per_point": 3,
+    "autotune_sample_s": 0.5,
+    "elastic_checkpoint": "",
 }
 
 HOROVOD_ALIASES = [
@@ -75,6 +79,7 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
     ("MPIDP_LOG_LEVEL", "log_level", "trace", "trace"),
     ("MPIDP_ABORT_ON_ERROR", "abort_on_error", "0", False),
     ("MPIDP_TIMELINE", "timeline_path", " /tmp/t.json ", "/tmp/t.json"),
+    ("MPIDP_ELASTIC_CHECKPOINT", "elastic_checkpoint", " /tmp/e.pt ", "/tmp/e.pt"),
     ("MPIDP_BACKEND", "backend", "Gloo", "gloo"),
     ("MPIDP_CUDA_AWARE_MPI", "cuda_aware_mpi", "1", "1"),
     ("MPIDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "yes", True),
@@ -209,7 +214,8 @@ def test_agreed_items_excludes_log_level():
     fields = [f for f, _ in cfg.agreed_items()]
     assert "log_level" not in fields
     local = {"log_level", "abort_on_error", "timeline_path", "timeline_mark_cycles",
-             "autotune_log"}
+             "autotune_log", "autotune_warmup_samples", "autotune_samples_per_point",
+             "autotune_sample_s", "elastic_checkpoint"}
     assert set(fields) == set(DEFAULTS) - local
     assert dict(cfg.agreed_items())["cache_capacity"] == 1024
 

@@ -1,0 +1,109 @@
+"""Engine counters: cheap per-cycle and per-batch tallies that mpidp.stats() reads as a snapshot."""
+
+import time
+from typing import Dict
+
+from .messages import OP_NAMES, OpType
+
+# What each key of a snapshot means; mpidp.stats() documents itself from this table.
+KEYS = {
+    "cycles": "engine cycles run (idle ones included)",
+    "slow_cycles": "cycles that negotiated through the coordinator (gather/bcast at rank 0)",
+    "cache_hits": "ops negotiated by their response-cache bit alone (the fast path)",
+    "cache_misses": "ops negotiated through the coordinator (first use, changed metadata, "
+                    "cache off or full)",
+    "collectives": "data-path calls: one per fused batch or unfused op",
+    "fused_collectives": "collectives that carried more than one tensor",
+    "tensors": "tensors those collectives carried (joined ranks' zeros included)",
+    "tensors_per_collective": "tensors / collectives (0.0 before the first)",
+    "bytes": "payload bytes of those tensors (each rank's own input; allgather: this rank's part)",
+    "negotiate_s": "seconds in negotiation calls, waiting for peers included",
+    "collective_s": "seconds in the data path (pack, MPI call, unpack, scaling)",
+    "wall_s": "seconds since the counters started (init() or the last reset)",
+    "by_op": "per op kind ('allreduce', ...): {'collectives', 'tensors', 'bytes'}",
+}
+
+
+class EngineStats:
+    """Written by the engine thread only (`baseline` aside); readers take `snapshot()`, which
+    needs no lock because every field is a number updated by one writer (a snapshot may
+    straddle one cycle)."""
+
+    __slots__ = ("cycles", "slow_cycles", "cache_hits", "cache_misses", "collectives",
+                 "fused_collectives", "tensors", "bytes", "negotiate_s", "collective_s",
+                 "op_collectives", "op_tensors", "op_bytes", "started", "baseline")
+
+    def __init__(self):
+        self.cycles = 0
+        self.slow_cycles = 0
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.collectives = 0
+        self.fused_collectives = 0
+        self.tensors = 0
+        self.bytes = 0
+        self.negotiate_s = 0.0
+        self.collective_s = 0.0
+        # Indexed by OpType: a list index costs less than a dict update per batch.
+        self.op_collectives = [0] * len(OpType)
+        self.op_tensors = [0] * len(OpType)
+        self.op_bytes = [0] * len(OpType)
+        self.started = time.perf_counter()
+        self.baseline = None  # set by mpidp.stats(reset=True) on the user's side
+
+    def batch(self, op: int, tensors: int, nbytes: int, seconds: float) -> None:
+        """One data-path call of `tensors` tensors and `nbytes` bytes took `seconds`."""
+        self.collectives += 1
+        if tensors > 1:
+            self.fused_collectives += 1
+        self.tensors += tensors
+        self.bytes += nbytes
+        self.collective_s += seconds
+        self.op_collectives[op] += 1
+        self.op_tensors[op] += tensors
+        self.op_bytes[op] += nbytes
+
+    def snapshot(self) -> Dict[str, object]:
+        """The counters as a plain dict (keys: KEYS)."""
+        by_op = {}
+        for op in OpType:
+            if self.op_collectives[op]:
+                by_op[OP_NAMES[op]] = {"collectives": self.op_collectives[op],
+                                       "tensors": self.op_tensors[op],
+                                       "bytes": self.op_bytes[op]}
+        collectives = self.collectives
+        tensors = self.tensors
+        return {
+            "cycles": self.cycles,
+            "slow_cycles": self.slow_cycles,
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "collectives": collectives,
+            "fused_collectives": self.fused_collectives,
+            "tensors": tensors,
+            "tensors_per_collective": tensors / collectives if collectives else 0.0,
+            "bytes": self.bytes,
+            "negotiate_s": self.negotiate_s,
+            "collective_s": self.collective_s,
+            "wall_s": time.perf_counter() - self.started,
+            "by_op": by_op,
+        }
+
+
+def difference(now: Dict[str, object], base: Dict[str, object]) -> Dict[str, object]:
+    """Counters accumulated between two snapshots (`base` taken first), in snapshot form."""
+    out = {}
+    for key, value in now.items():
+        if key == "by_op":
+            ops = {}
+            for op, counts in value.items():
+                old = base["by_op"].get(op, {})
+                delta = {k: v - old.get(k, 0) for k, v in counts.items()}
+                if delta["collectives"]:
+                    ops[op] = delta
+            out[key] = ops
+        elif key != "tensors_per_collective":
+            out[key] = value - base[key]
+    out["tensors_per_collective"] = (out["tensors"] / out["collectives"]
+                                     if out["collectives"] else 0.0)
+    return out
