@@ -9,6 +9,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import ConfigError
 from .messages import ReduceOp
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
@@ -43,17 +44,41 @@ def wait(request, spin: bool = True) -> None:
 
 
 class Comms:
-    """mpidp's private communicators: a duplicate of the user's, its local and cross splits."""
+    """mpidp's private communicators: a duplicate of the user's, its local and cross splits.
+
+    `local` holds the ranks of this node, `cross` the ranks with the same local rank on every
+    node. With `simulated_local_size=k > 0` a node is k consecutive ranks of COMM_WORLD
+    (node id = world rank // k) instead of the ranks that share memory, so a process set sees
+    the same simulated nodes as the world. When k does not divide the world size, the last node
+    is smaller (a non-homogeneous layout, which hierarchical allreduce handles by falling back to
+    the flat one). k larger than the world size is a ConfigError: it simulates nothing.
+    Synchronization: collective over `base` (Dup, Split, allgather).
+    """
 
     def __init__(self, base, simulated_local_size: int = 0):
+        world_size = MPI.COMM_WORLD.Get_size()
+        if simulated_local_size > world_size:
+            raise ConfigError(
+                f"MPIDP_SIMULATED_LOCAL_SIZE={simulated_local_size} is larger than the "
+                f"{world_size} ranks of the job; use a value from 1 to {world_size}, or 0 to "
+                f"ask MPI which ranks share a node")
         self.world = base.Dup()
         self.rank = self.world.Get_rank()
         self.size = self.world.Get_size()
-        self.local = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        if simulated_local_size > 0:
+            node = MPI.COMM_WORLD.Get_rank() // simulated_local_size
+            self.local = self.world.Split(color=node, key=self.rank)
+        else:
+            self.local = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.cross = self.world.Split(color=self.local.Get_rank(), key=self.rank)
         # Negotiation traffic gets its own communicator so it never matches data collectives.
         self.control = self.world.Dup()
         self.local_sizes = self.world.allgather(self.local.Get_size())
+
+    @property
+    def homogeneous(self) -> bool:
+        """Every node holds the same number of ranks of this communicator."""
+        return len(set(self.local_sizes)) == 1
 
     def free(self) -> None:
         for comm in (self.control, self.cross, self.local, self.world):
@@ -168,5 +193,5 @@ def alltoallv(comm, send: np.ndarray, send_counts, recv: np.ndarray, recv_counts
     comm.Alltoallv([send, (send_counts, None)], [recv, (recv_counts, None)])
 
 
-def reduce_scatter(comm, send: np.ndarray, recv: np.ndarray, counts, op) -> None:
+def reduce_scatter(comm, send, recv, counts, op) -> None:
     comm.Reduce_scatter(send, recv, list(counts), op=op)

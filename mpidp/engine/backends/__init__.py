@@ -1,7 +1,101 @@
-"""Data paths behind one interface: `execute(batch, entries)` runs a negotiated batch."""
+"""Data paths behind one interface: `execute(batch, entries)` runs a negotiated batch.
+
+Every backend has `execute(batch, entries) -> list` (one result per response; entries[i] is None
+on a joined rank) and `close()`. `make_backend` builds a `Dispatch` that routes each batch by
+the device kind of its tensors (fusion.plan never mixes devices in one batch):
+
+    MPIDP_BACKEND   CPU tensors                 CUDA tensors
+    mpi             MPI on host memory          CUDA-aware MPI if cuda_aware_mpi says so,
+                                                else MPI staged through pinned host buffers
+    gloo            gloo process group          staged through host buffers to gloo
+    nccl            MPI on host memory          NCCL process group
+    auto            MPI on host memory          NCCL when torch has it, else as mpi
+
+CUDA routes are built only when torch sees a GPU. See docs/data_paths.md.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from ...errors import ConfigError, MpidpError
+
+
+def available() -> Dict[str, Optional[bool]]:
+    """What this process can use: gloo/nccl built into torch, CUDA built and present, and
+    whether MPI accepts CUDA buffers (None: the library cannot tell). Local, no communication;
+    `cuda_aware_mpi` needs MPI initialised."""
+    from .. import mpi
+    import torch.distributed as dist
+    dist_ok = dist.is_available()
+    return {
+        "gloo": bool(dist_ok and dist.is_gloo_available()),
+        "nccl": bool(dist_ok and dist.is_nccl_available()),
+        "cuda_built": bool(torch.backends.cuda.is_built()),
+        "cuda_available": bool(torch.cuda.is_available()),
+        "cuda_aware_mpi": mpi.cuda_aware_support(),
+    }
+
+
+class Dispatch:
+    """Routes each batch to the backend for its device kind ('cpu' or 'cuda')."""
+
+    def __init__(self, routes: dict, names: dict):
+        self.routes = routes  # device kind -> backend
+        self.names = names    # device kind -> human-readable path name (logs, doctor)
+
+    def execute(self, batch: List, entries: List) -> list:
+        """Run one batch on its device's path. Synchronization: that path's collectives."""
+        kind = batch[0].request.device.split(":")[0] if batch[0].request else "cpu"
+        backend = self.routes.get(kind)
+        if backend is None:
+            raise MpidpError(f"no data path for {kind} tensors in this process (paths: "
+                             f"{self.names}); see docs/data_paths.md")
+        return backend.execute(batch, entries)
+
+    def close(self) -> None:
+        """Release process groups (local). Call once, after the engine's last batch."""
+        unique = {id(b): b for b in self.routes.values()}
+        for backend in unique.values():
+            backend.close()
 
 
 def make_backend(comms, config):
-    """The data path for one engine, chosen by the `backend` knob."""
+    """The data paths for one engine, chosen by the `backend` and `cuda_aware_mpi` knobs.
+
+    Synchronization: collective over `comms.world` when a process group is created (gloo;
+    nccl when a GPU is present). Called by every rank of the communicator during init(),
+    before the engine thread starts.
+    """
     from .host import HostBackend
-    return HostBackend(comms.world, config)
+    avail = available() if config.backend != "mpi" else {}
+    choice = config.backend
+    gpu = torch.cuda.is_available()
+    if choice == "gloo" and not avail["gloo"]:
+        raise ConfigError("MPIDP_BACKEND=gloo: this torch was built without gloo")
+    if choice == "nccl" and not (avail["nccl"] and gpu):
+        raise ConfigError("MPIDP_BACKEND=nccl needs a torch built with NCCL and a visible GPU "
+                          f"(nccl built: {avail['nccl']}, GPU: {gpu}); use mpi or gloo")
+    host = HostBackend(comms, config)
+    routes, names = {"cpu": host}, {"cpu": "mpi"}
+    gloo = None
+    if choice == "gloo":
+        from .torchdist import ProcessGroupBackend, open_group
+        gloo = ProcessGroupBackend(comms, config, *open_group(comms, config, "gloo"))
+        routes["cpu"], names["cpu"] = gloo, "gloo"
+    if gpu:
+        routes["cuda"], names["cuda"] = _cuda_route(comms, config, choice, avail, host, gloo)
+    return Dispatch(routes, names)
+
+
+def _cuda_route(comms, config, choice, avail, host, gloo):
+    from . import cuda
+    if choice == "gloo":
+        return cuda.StagedBackend(gloo), "gloo (staged through host memory)"
+    if choice == "nccl" or (choice == "auto" and avail.get("nccl")):
+        from .torchdist import ProcessGroupBackend, open_group
+        nccl = ProcessGroupBackend(comms, config, *open_group(comms, config, "nccl"))
+        return cuda.StreamOrdered(nccl), "nccl"
+    if cuda.cuda_aware_mpi(config.cuda_aware_mpi):
+        return cuda.StreamOrdered(host), "mpi (CUDA-aware)"
+    return cuda.StagedBackend(host), "mpi (staged through pinned host memory)"

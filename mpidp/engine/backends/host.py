@@ -1,4 +1,17 @@
-"""Data path on host memory: MPI buffer calls on numpy views of CPU tensors, with fusion and chunking."""
+"""MPI data path: buffer calls on host (or CUDA-aware) memory, fusion, chunking, hierarchy.
+
+Host tensors reach MPI as numpy views. On the CUDA-aware route (cuda.py wraps this backend
+in StreamOrdered) a CUDA tensor is handed to MPI as itself (mpi4py reads `__cuda_array_interface__`); since MPI is
+not stream-ordered, the engine thread's stream is synchronized before MPI reads device memory.
+That device branch has never run on a GPU (docs/data_paths.md).
+
+Hierarchical allreduce (knob `hierarchical_allreduce`): reduce-scatter on `comms.local`, allreduce
+of this rank's slice on `comms.cross`, allgather on `comms.local`. Slices follow the uneven rule of
+reducescatter (the first n % local_size local ranks hold one extra element), so no padding is
+needed and every rank of a cross communicator holds a slice of the same length. It runs when
+there is more than one node and more than one rank per node, and only on a homogeneous layout
+(equal local sizes); otherwise allreduce stays flat (logged once at debug level).
+"""
 
 import math
 from typing import List, Optional
@@ -6,6 +19,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ...log import logger
 from .. import mpi
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry
@@ -17,38 +31,94 @@ _WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 _BYTES_VIEW = {torch.bfloat16: torch.int16}
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A flat numpy view that shares memory with `t`."""
+def _np(t: torch.Tensor):
+    """A flat buffer MPI can read that shares memory with `t`: a numpy view of a host tensor,
+    the flat tensor itself (read through `__cuda_array_interface__`) for a CUDA one."""
     t = t.detach()
     view = _BYTES_VIEW.get(t.dtype)
-    return (t.view(view) if view is not None else t).reshape(-1).numpy()
+    flat = (t.view(view) if view is not None else t).reshape(-1)
+    if flat.is_cuda:
+        # MPI is not ordered with CUDA streams: finish the kernels that wrote this memory.
+        torch.cuda.current_stream(flat.device).synchronize()
+        return flat
+    return flat.numpy()
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def uneven_counts(n: int, parts: int) -> List[int]:
+    """How `n` rows split over `parts` ranks: the first n % parts ranks get one extra row."""
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def scale_after(out: torch.Tensor, req, size: int) -> None:
+    """Apply Average's division and the postscale factor to a reduced tensor, in place.
+
+    Integer Average floors (like `//`); floating Average folds 1/size into the postscale.
+    """
+    post = req.postscale
+    if req.reduce_op == ReduceOp.AVERAGE:
+        if out.is_floating_point():
+            post = post / size
+        else:
+            out.div_(size, rounding_mode="floor")
+    if post != 1.0:
+        out.mul_(post)
+
+
 class HostBackend:
     """Executes negotiated batches on host memory; every rank runs the same batches in order."""
 
-    def __init__(self, comm, config):
-        self.comm = comm
-        self.size = comm.Get_size()
-        self.rank = comm.Get_rank()
+    def __init__(self, comms, config):
+        self.comms = comms
+        self.comm = comms.world
+        self.size = comms.size
+        self.rank = comms.rank
         self.config = config
-        self._fusion = {}  # dtype -> persistent fusion buffer, grown on demand
+        self._fusion = {}  # (dtype, device) -> persistent fusion buffer, grown on demand
+        self.hierarchical = self._hierarchy_usable(comms, config)
+
+    def close(self) -> None:
+        """Nothing to release: the communicators belong to Comms."""
+
+    @staticmethod
+    def _hierarchy_usable(comms, config) -> bool:
+        if not config.hierarchical_allreduce:
+            return False
+        local, nodes = comms.local.Get_size(), comms.cross.Get_size()
+        if not comms.homogeneous:
+            logger.debug("hierarchical allreduce off: ranks per node differ (%s); using the flat "
+                         "allreduce", comms.local_sizes)
+            return False
+        if local == 1 or nodes == 1:
+            logger.debug("hierarchical allreduce off: %d node(s) of %d rank(s) need no hierarchy",
+                         nodes, local)
+            return False
+        return True
+
+    def _allreduce(self, send, recv, op) -> None:
+        """Allreduce flat buffers (`send=None`: in place), hierarchically when enabled.
+
+        Synchronization: blocking collectives on world, or on local, cross and local again.
+        """
+        if not self.hierarchical:
+            mpi.allreduce(self.comm, send, recv, op)
+            return
+        local = self.comms.local
+        lsize, lrank = local.Get_size(), local.Get_rank()
+        counts = uneven_counts(len(recv), lsize)
+        part = (recv.new_empty(counts[lrank]) if isinstance(recv, torch.Tensor)
+                else np.empty(counts[lrank], dtype=recv.dtype))
+        mpi.reduce_scatter(local, recv if send is None else send, part, counts, op)
+        mpi.allreduce(self.comms.cross, None, part, op)
+        mpi.allgatherv(local, part, recv, np.array(counts, dtype=np.int64))
 
     # ---- allreduce ----
 
     def _scale_after(self, out: torch.Tensor, req) -> None:
-        post = req.postscale
-        if req.reduce_op == ReduceOp.AVERAGE:
-            if out.is_floating_point():
-                post = post / self.size
-            else:
-                out.div_(self.size, rounding_mode="floor")
-        if post != 1.0:
-            out.mul_(post)
+        scale_after(out, req, self.size)
 
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
         """Allreduce a flat tensor into `recv` (in place when send is None), then scale it.
@@ -62,20 +132,19 @@ class HostBackend:
         step = self.config.chunk_bytes // max(1, recv.element_size())
         n = recv_np.size
         if step <= 0 or n <= step:
-            mpi.allreduce(self.comm, send_np, recv_np, op)
+            self._allreduce(send_np, recv_np, op)
             self._scale_after(recv, req)
             return
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            mpi.allreduce(self.comm, None if send_np is None else send_np[lo:hi],
-                          recv_np[lo:hi], op)
+            self._allreduce(None if send_np is None else send_np[lo:hi], recv_np[lo:hi], op)
             self._scale_after(recv[lo:hi], req)
 
     def allreduce_one(self, resp: Response, entry: Optional[Entry]) -> torch.Tensor:
         req = resp.request
         dtype = _dtype(req.dtype)
         if entry is None:  # joined rank: contribute zeros
-            out = torch.zeros(req.shape, dtype=dtype)
+            out = torch.zeros(req.shape, dtype=dtype, device=req.device)
             src = out
         else:
             out, src = entry.output, entry.tensor
@@ -96,13 +165,14 @@ class HostBackend:
         wide = _WIDEN.get(dtype, dtype)
         sizes = [math.prod(r.request.shape) for r in batch]
         total = sum(sizes)
-        buf = self._fusion.get(wide)
+        device = torch.device(req.device)
+        buf = self._fusion.get((wide, device))
         if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 1024), dtype=wide)
-            self._fusion[wide] = buf
+            buf = torch.empty(max(total, 1024), dtype=wide, device=device)
+            self._fusion[(wide, device)] = buf
         buf = buf[:total]
-        flat = [e.tensor.reshape(-1) if e is not None else torch.zeros(n, dtype=dtype)
-                for e, n in zip(entries, sizes)]
+        flat = [e.tensor.reshape(-1) if e is not None
+                else torch.zeros(n, dtype=dtype, device=device) for e, n in zip(entries, sizes)]
         if wide is dtype:
             torch.cat(flat, out=buf)
         else:
@@ -110,7 +180,8 @@ class HostBackend:
         if req.prescale != 1.0:
             buf.mul_(req.prescale)
         self._reduce_flat(None, buf, req)
-        outs = [e.output if e is not None else torch.empty(r.request.shape, dtype=dtype)
+        outs = [e.output if e is not None
+                else torch.empty(r.request.shape, dtype=dtype, device=device)
                 for e, r in zip(entries, batch)]
         torch._foreach_copy_([o.view(-1) for o in outs], list(buf.split(sizes)))
         return outs
@@ -121,7 +192,7 @@ class HostBackend:
         req = resp.request
         t = entry.tensor if entry.tensor.dim() > 0 else entry.tensor.reshape(1)
         row = math.prod(t.shape[1:])
-        out = torch.empty((sum(resp.first_dims),) + tuple(t.shape[1:]), dtype=t.dtype)
+        out = t.new_empty((sum(resp.first_dims),) + tuple(t.shape[1:]))
         counts = np.array(resp.first_dims, dtype=np.int64) * row
         mpi.allgatherv(self.comm, _np(t), _np(out), counts)
         return out
@@ -140,7 +211,7 @@ class HostBackend:
         if splits is None:
             splits = np.full(self.size, t.shape[0] // self.size, dtype=np.int32)
         recv_splits = mpi.alltoall_counts(self.comm, np.asarray(splits, dtype=np.int32))
-        out = torch.empty((int(recv_splits.sum()),) + tuple(t.shape[1:]), dtype=t.dtype)
+        out = t.new_empty((int(recv_splits.sum()),) + tuple(t.shape[1:]))
         send = _np(t)[: int(np.sum(splits)) * row]
         mpi.alltoallv(self.comm, send, np.asarray(splits, np.int64) * row, _np(out),
                       recv_splits.astype(np.int64) * row)
@@ -152,12 +223,12 @@ class HostBackend:
         dtype = t.dtype
         wide = _WIDEN.get(dtype, dtype)
         dim0 = t.shape[0]
-        rows = [dim0 // self.size + (1 if r < dim0 % self.size else 0) for r in range(self.size)]
+        rows = uneven_counts(dim0, self.size)
         row = math.prod(t.shape[1:])
         work = t.to(wide) if (wide is not dtype or req.prescale != 1.0) else t
         if req.prescale != 1.0:
             work = work.mul(req.prescale)
-        out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide)
+        out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide, device=t.device)
         op = mpi.mpi_op(req.reduce_op, dtype == torch.bool)
         mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out),
                            [r * row for r in rows], op)

@@ -1,0 +1,204 @@
+"""torch.distributed data path: one gloo or NCCL process group per Comms, bootstrapped over MPI.
+
+Bootstrap (`open_group`, collective over `comms.world`, on the user thread inside init()):
+rank 0 of the communicator starts a TCPStore on a free port (port 0: the OS picks one, so
+several engines in one process never collide) and broadcasts (host, port) over MPI; the other
+ranks connect, and every rank constructs the backend object (`ProcessGroupGloo` /
+`ProcessGroupNCCL`) directly on a PrefixStore. Nothing touches torch.distributed's global default
+group, so user code may run its own `init_process_group` beside mpidp, and each process set gets
+its own group. A TCPStore, not a FileStore: it needs no file system shared by all nodes.
+The host announced is the `rendezvous_host` knob, or rank 0's host name.
+
+Execution (`ProcessGroupBackend`): negotiation stays on MPI; only tensor data moves through the
+group. Results equal the MPI host path's exactly wherever that one is exact, because the
+semantics are shared with HostBackend (subclassed): joined ranks add zeros, float16/bfloat16 are
+reduced in float32, prescale before and Average/postscale after the reduction, integer Average
+floors. Type mapping for reductions: bool is reduced as uint8 with MAX (logical or: Sum,
+Average, Max) or MIN (logical and: Min, Product), as the MPI path does; int16 (which gloo and
+NCCL lack) in int32, cast back with the same wrap-around. Byte-moving collectives (allgather,
+broadcast, alltoall) move uint8 views, so every dtype works. Allgather with different first
+dims pads each rank's rows to the largest and trims; alltoall exchanges split counts over MPI
+(host integers) and moves the rows with `alltoall_base`; reducescatter passes the uneven
+per-rank chunks (first dim0 % size ranks get one extra row) as a list. With gloo all of this runs
+on CPU and is tested; with NCCL the same code runs on CUDA tensors and has never run (no GPU).
+"""
+
+import datetime
+import math
+import socket
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...errors import MpidpError
+from ...log import logger
+from .. import mpi
+from ..messages import OpType, ReduceOp, Response
+from ..tensor_queue import Entry
+from .host import HostBackend, uneven_counts
+
+_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+_BYTE = torch.uint8
+
+
+def _pg_op(reduce_op: int, is_bool: bool):
+    op = ReduceOp(reduce_op)
+    if is_bool:
+        return dist.ReduceOp.MIN if op in (ReduceOp.MIN, ReduceOp.PRODUCT) else dist.ReduceOp.MAX
+    return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+            ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}[op]
+
+
+def _rows_as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (rows, row_bytes) uint8 view of a contiguous tensor with `rows` rows."""
+    row = math.prod(t.shape[1:]) if t.dim() > 0 else 1
+    return t.reshape(rows, row).view(_BYTE)
+
+
+def open_group(comms, config, kind: str):
+    """Create this communicator's `kind` ('gloo' or 'nccl') process group; returns (group, store).
+
+    Synchronization: collective over `comms.world` (an MPI broadcast of the store address, then
+    the process group's own connection set-up through the store).
+    """
+    if kind not in ("gloo", "nccl"):
+        raise ValueError(f"no process group kind {kind!r}")
+    store = None
+    announce = None
+    if comms.rank == 0:
+        host = config.rendezvous_host or socket.gethostname()
+        try:
+            store = dist.TCPStore(host, 0, comms.size, True, _STORE_TIMEOUT,
+                                  wait_for_workers=False)
+            announce = (host, store.port, "")
+        except Exception as exc:  # every rank must learn of it, or they wait for the store
+            announce = (host, 0, f"rank 0 could not start a TCPStore on {host!r}: {exc}")
+    host, port, error = mpi.bcast_object(comms.world, announce, 0)
+    if error:
+        raise MpidpError(f"{kind} process group: {error}; set MPIDP_RENDEZVOUS_HOST to an "
+                         f"address of rank 0 that every rank can reach")
+    if comms.rank != 0:
+        store = dist.TCPStore(host, port, comms.size, False, _STORE_TIMEOUT)
+    prefixed = dist.PrefixStore(f"mpidp/{kind}", store)
+    if kind == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, comms.rank, comms.size)
+    else:
+        group = dist.ProcessGroupNCCL(prefixed, comms.rank, comms.size)
+    logger.debug("%s process group of %d ranks up (store %s:%d)", kind, comms.size, host, port)
+    return group, store
+
+
+class ProcessGroupBackend(HostBackend):
+    """Runs negotiated batches through a torch.distributed process group (gloo or NCCL)."""
+
+    def __init__(self, comms, config, group, store=None):
+        super().__init__(comms, config)
+        self.group = group
+        self._store = store  # rank 0 serves the store; it must live as long as the group
+        self.hierarchical = False  # the process group's own algorithms apply
+
+    def close(self) -> None:
+        """Release the process group's connections (local; call after the last batch)."""
+        shutdown = getattr(self.group, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self._store = None
+
+    # ---- allreduce: HostBackend's packing and scaling, this reduction ----
+
+    def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
+        if send is not None:
+            recv.copy_(send)
+        is_bool = recv.dtype == torch.bool
+        if is_bool:
+            work = recv.view(_BYTE)
+        elif recv.dtype == torch.int16:
+            work = recv.to(torch.int32)
+        else:
+            work = recv
+        self.group.allreduce([work], _pg_op(req.reduce_op, is_bool)).wait()
+        if work.data_ptr() != recv.data_ptr():
+            recv.copy_(work)  # int32 -> int16 keeps the low bits: MPI's wrap-around
+        self._scale_after(recv, req)
+
+    # ---- other collectives ----
+
+    def allgather(self, resp: Response, entry: Entry):
+        t = entry.tensor if entry.tensor.dim() > 0 else entry.tensor.reshape(1)
+        t = t.contiguous()
+        dims = list(resp.first_dims)
+        most = max(dims)
+        mine = _rows_as_bytes(t, t.shape[0])
+        if t.shape[0] < most:
+            padded = mine.new_zeros((most, mine.shape[1]))
+            padded[: t.shape[0]].copy_(mine)
+            mine = padded
+        gathered = [mine.new_empty((most, mine.shape[1])) for _ in dims]
+        self.group.allgather([gathered], [mine]).wait()
+        out = t.new_empty((sum(dims),) + tuple(t.shape[1:]))
+        torch.cat([g[:d] for g, d in zip(gathered, dims)],
+                  out=_rows_as_bytes(out, out.shape[0]))
+        return out
+
+    def broadcast(self, resp: Response, entry: Entry):
+        out = entry.output
+        if out is not entry.tensor and self.rank == resp.request.root:
+            out.copy_(entry.tensor)
+        work = out if out.is_contiguous() else out.contiguous()
+        self.group.broadcast(work.reshape(-1).view(_BYTE), resp.request.root).wait()
+        if work is not out:
+            out.copy_(work)
+        return out
+
+    def alltoall(self, resp: Response, entry: Entry):
+        t = entry.tensor.contiguous()
+        splits = entry.extra
+        if splits is None:
+            splits = np.full(self.size, t.shape[0] // self.size, dtype=np.int32)
+        splits = np.asarray(splits, dtype=np.int32)
+        recv_splits = mpi.alltoall_counts(self.comm, splits)
+        sent = int(splits.sum())
+        out = t.new_empty((int(recv_splits.sum()),) + tuple(t.shape[1:]))
+        self.group.alltoall_base(_rows_as_bytes(out, out.shape[0]),
+                                 _rows_as_bytes(t[:sent], sent),
+                                 [int(x) for x in recv_splits], [int(x) for x in splits]).wait()
+        return out, torch.from_numpy(recv_splits.copy())
+
+    def reducescatter(self, resp: Response, entry: Entry):
+        req = resp.request
+        t = entry.tensor
+        dtype = t.dtype
+        wide = {torch.bfloat16: torch.float32, torch.float16: torch.float32,
+                torch.int16: torch.int32}.get(dtype, dtype)
+        work = t.to(wide) if (wide is not dtype or req.prescale != 1.0) else t.contiguous()
+        if req.prescale != 1.0:
+            work = work.mul(req.prescale)
+        is_bool = dtype == torch.bool
+        if is_bool:
+            work = work.view(_BYTE)
+        rows = uneven_counts(t.shape[0], self.size)
+        chunks = list(work.split(rows))
+        out = work.new_empty((rows[self.rank],) + tuple(t.shape[1:]))
+        self.group.reduce_scatter([out], [chunks], _reduce_scatter_options(req, is_bool)).wait()
+        if is_bool:
+            out = out.view(torch.bool)
+        elif dtype == torch.int16:
+            out = out.to(dtype)  # wrap to int16 before scaling, as the MPI path reduces in int16
+        self._scale_after(out, req)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+        """Run one batch; see HostBackend.execute. Synchronization: the process group's calls."""
+        if batch[0].op == OpType.BARRIER:
+            self.group.barrier().wait()
+            return [None]
+        return super().execute(batch, entries)
+
+
+def _reduce_scatter_options(req, is_bool: bool):
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = _pg_op(req.reduce_op, is_bool)
+    return opts
