@@ -37,8 +37,10 @@ def plan(responses: List[Response], fuse_below_bytes: int,
             batches.append([resp])
             continue
         req = resp.request
-        # The whole device string: a batch runs on one device's data path, in one buffer.
-        key = (req.dtype, req.reduce_op, req.prescale, req.postscale, req.device, resp.joined)
+        # Device kind, not index: the response carries the coordinator's device string, and each
+        # rank runs its batches on its own GPU (whatever its index), so only the kind is shared.
+        key = (req.dtype, req.reduce_op, req.prescale, req.postscale,
+               req.device.split(":")[0], resp.joined)
         idx = open_batch.get(key)
         if idx is not None and open_bytes[key] + size <= fusion_threshold_bytes:
             batches[idx].append(resp)

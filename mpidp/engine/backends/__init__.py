@@ -1,7 +1,7 @@
 """Data paths behind one interface: `execute(batch, entries)` runs a negotiated batch.
 
 Every backend has `execute(batch, entries) -> list` (one result per response; entries[i] is None
-on a joined rank) and `close()`. `make_backend` builds a `Dispatch` that routes each batch by
+on a joined rank) and `close()`; the wrappers in cuda.py hold the backend they wrap in `inner`. `make_backend` builds a `Dispatch` that routes each batch by
 the device kind of its tensors (fusion.plan never mixes devices in one batch):
 
     MPIDP_BACKEND   CPU tensors                 CUDA tensors
@@ -55,7 +55,11 @@ class Dispatch:
 
     def close(self) -> None:
         """Release process groups (local). Call once, after the engine's last batch."""
-        unique = {id(b): b for b in self.routes.values()}
+        unique = {}
+        for backend in self.routes.values():
+            while hasattr(backend, "inner"):  # wrappers (cuda.py) own nothing themselves
+                backend = backend.inner
+            unique[id(backend)] = backend
         for backend in unique.values():
             backend.close()
 

@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from .. import mpi
+from .host import local_device
 from ..messages import Response
 from ..tensor_queue import Entry
 
@@ -53,14 +54,11 @@ class StreamOrdered:
     def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
         """Run one batch on device memory. Synchronization: the device, then the inner backend's
         collectives, then the engine thread's stream."""
-        device = torch.device(batch[0].request.device)
+        device = local_device(batch, entries)
         wait_producers(device)
         results = self.inner.execute(batch, entries)
         finish(device)
         return results
-
-    def close(self) -> None:
-        getattr(self.inner, "close", lambda: None)()
 
 
 class StagedBackend:
@@ -107,7 +105,7 @@ class StagedBackend:
     def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
         """Run one device batch through host memory. Synchronization: the device, the host
         backend's collectives, then the copies back."""
-        device = torch.device(batch[0].request.device)
+        device = local_device(batch, entries)
         wait_producers(device)
         host_batch = [r._replace(request=r.request._replace(device="cpu")) if r.request else r
                       for r in batch]
@@ -116,6 +114,3 @@ class StagedBackend:
         out = [self._back(r, h, e, device) for r, h, e in zip(results, host_entries, entries)]
         finish(device)
         return out
-
-    def close(self) -> None:
-        getattr(self.inner, "close", lambda: None)()

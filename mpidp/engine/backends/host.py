@@ -48,6 +48,18 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def local_device(batch: List[Response], entries: List[Optional[Entry]]) -> torch.device:
+    """The device this rank runs `batch` on: its own tensors' device (the response names the
+    coordinator's, whose index may differ), or for a joined rank the current device of the kind."""
+    for entry in entries:
+        if entry is not None and entry.tensor is not None:
+            return entry.tensor.device
+    kind = batch[0].request.device.split(":")[0]
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 def uneven_counts(n: int, parts: int) -> List[int]:
     """How `n` rows split over `parts` ranks: the first n % parts ranks get one extra row."""
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
@@ -144,7 +156,7 @@ class HostBackend:
         req = resp.request
         dtype = _dtype(req.dtype)
         if entry is None:  # joined rank: contribute zeros
-            out = torch.zeros(req.shape, dtype=dtype, device=req.device)
+            out = torch.zeros(req.shape, dtype=dtype, device=local_device([resp], [None]))
             src = out
         else:
             out, src = entry.output, entry.tensor
@@ -165,7 +177,7 @@ class HostBackend:
         wide = _WIDEN.get(dtype, dtype)
         sizes = [math.prod(r.request.shape) for r in batch]
         total = sum(sizes)
-        device = torch.device(req.device)
+        device = local_device(batch, entries)
         buf = self._fusion.get((wide, device))
         if buf is None or buf.numel() < total:
             buf = torch.empty(max(total, 1024), dtype=wide, device=device)

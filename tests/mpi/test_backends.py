@@ -1,0 +1,181 @@
+"""Data paths against the MPI host path: the gloo process-group adapter and the CUDA staging path's CPU twin."""
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidp
+from backend_util import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE_OPS,
+                          REDUCESCATTER, fused, run_both, same, single, values)
+from mpi_util import DTYPES, assert_all, dtype_id, run_all
+from mpidp import config as mpidp_config
+from mpidp.engine.backends import Dispatch, available, make_backend
+from mpidp.engine.backends.cuda import StagedBackend
+from mpidp.engine.backends.host import HostBackend
+from mpidp.engine.messages import ReduceOp
+from mpidp.engine.mpi import Comms
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _config(**kw):
+    # Flat MPI reference whatever the session's variables say; small chunks to cover chunking.
+    base = dict(backend="mpi", hierarchical_allreduce=0, simulated_local_size=0,
+                chunk_bytes=256)
+    base.update(kw)
+    return mpidp_config.load(**base)
+
+
+@pytest.fixture(scope="module")
+def paths():
+    """Host MPI backend, gloo adapter (through make_backend) and staged twin, on fresh Comms."""
+    comms = Comms(MPI.COMM_WORLD)
+    host = HostBackend(comms, _config())
+    gloo = run_all(make_backend, comms, _config(backend="gloo"))
+    staged = StagedBackend(HostBackend(comms, _config()), pin_memory=False)
+    yield {"host": host, "gloo": gloo, "staged": staged}
+    gloo.close()
+    comms.free()
+
+
+@pytest.fixture(params=["gloo", "staged"])
+def other(request, paths):
+    return paths[request.param]
+
+
+def _check(host, other, batch, entries, what):
+    got_host, got_other = run_all(run_both, host, other, batch, entries)
+    bad = [i for i, (a, b) in enumerate(zip(got_host, got_other)) if not same(a, b)]
+    assert_all(not bad, f"{what}: results {bad} differ: host {got_host} vs {got_other}")
+
+
+@pytest.mark.mpi
+def test_make_backend_routes_cpu_to_gloo(paths):
+    gloo = paths["gloo"]
+    assert_all(isinstance(gloo, Dispatch) and gloo.names["cpu"] == "gloo", f"{gloo.names}")
+    assert_all(available()["gloo"], f"{available()}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS, ids=lambda o: o.name)
+def test_allreduce_matches_host(paths, other, dtype, op):
+    if dtype == torch.bool and op == ReduceOp.AVERAGE:
+        pytest.skip("Average of bool is refused by ops")
+    for shape in [(), (1,), (5,), (3, 40)]:  # (3, 40) spans chunks of 256 bytes for wide types
+        t = values(shape, dtype, RANK)
+        batch, entries = single(f"ar{shape}", ALLREDUCE, t, reduce_op=op)
+        _check(paths["host"], other, batch, entries, f"{dtype} {op.name} {shape}")
+        # not in place: the result goes to a separate output tensor
+        batch, entries = single(f"ar{shape}.out", ALLREDUCE, t, output=torch.empty_like(t),
+                                reduce_op=op)
+        _check(paths["host"], other, batch, entries, f"{dtype} {op.name} {shape} out")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE], ids=lambda o: o.name)
+def test_allreduce_scale_factors_match_host(paths, other, dtype, op):
+    t = values((17,), dtype, RANK)
+    batch, entries = single("scaled", ALLREDUCE, t, reduce_op=op, prescale=2.0, postscale=0.25)
+    _check(paths["host"], other, batch, entries, f"{dtype} {op.name}")
+    batch, entries = fused("scaled.f", [values((n,), dtype, RANK, n) for n in (1, 4, 9)],
+                           reduce_op=op, prescale=0.5, postscale=4.0)
+    _check(paths["host"], other, batch, entries, f"fused {dtype} {op.name}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_fused_allreduce_with_a_joined_rank_matches_host(paths, other, dtype):
+    tensors = [values((n,), dtype, RANK, n) for n in (3, 1, 8, 2)]
+    # rank 0 has "joined" for the second tensor: it contributes zeros and gets no result
+    mask = [False, RANK == 0, False, False]
+    op = ReduceOp.MAX if dtype == torch.bool else ReduceOp.SUM
+    batch, entries = fused("joined", tensors, joined_mask=mask, reduce_op=op)
+    got_host, got_other = run_all(run_both, paths["host"], other, batch, entries)
+    keep = [i for i in range(len(tensors)) if not mask[i]]
+    bad = [i for i in keep if not same(got_host[i], got_other[i])]
+    assert_all(not bad, f"{dtype}: fused results {bad} differ")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_allgather_with_different_first_dims_matches_host(paths, other, dtype):
+    dims = [(r % 3) + (r // 3) for r in range(SIZE)]  # includes a rank with 0 rows
+    t = values((dims[RANK], 3), dtype, RANK)
+    batch, entries = single("ag", ALLGATHER, t, first_dims=dims)
+    _check(paths["host"], other, batch, entries, f"{dtype} dims {dims}")
+    s = values((), dtype, RANK)
+    batch, entries = single("ag0", ALLGATHER, s, first_dims=[1] * SIZE)
+    _check(paths["host"], other, batch, entries, f"{dtype} scalar")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_broadcast_matches_host(paths, other, dtype):
+    root = SIZE - 1
+    t = values((4, 5), dtype, RANK)
+    batch, entries = single("bc", BROADCAST, t, root=root)
+    _check(paths["host"], other, batch, entries, f"{dtype} in place")
+    batch, entries = single("bc.out", BROADCAST, t, output=torch.zeros_like(t), root=root)
+    _check(paths["host"], other, batch, entries, f"{dtype} to output")
+    got = run_all(other.execute, batch, entries)
+    assert_all(torch.equal(got[0], values((4, 5), dtype, root)), "not root's tensor")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_alltoall_matches_host(paths, other, dtype):
+    splits = torch.tensor([(RANK + d) % 3 for d in range(SIZE)], dtype=torch.int32)
+    t = values((int(splits.sum()) + 1, 2), dtype, RANK)  # one trailing row is never sent
+    batch, entries = single("a2a", ALLTOALL, t, extra=splits.numpy())
+    _check(paths["host"], other, batch, entries, f"{dtype} splits {splits.tolist()}")
+    t = values((2 * SIZE,), dtype, RANK)
+    batch, entries = single("a2a.even", ALLTOALL, t)
+    _check(paths["host"], other, batch, entries, f"{dtype} even")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS, ids=lambda o: o.name)
+def test_reducescatter_uneven_matches_host(paths, other, dtype, op):
+    if dtype == torch.bool and op == ReduceOp.AVERAGE:
+        pytest.skip("Average of bool is refused by ops")
+    for rows in (SIZE, 2 * SIZE + 1, SIZE - 1):
+        t = values((rows, 3), dtype, RANK)
+        batch, entries = single("rs", REDUCESCATTER, t, reduce_op=op)
+        _check(paths["host"], other, batch, entries, f"{dtype} {op.name} rows {rows}")
+    if dtype in FLOATS:
+        t = values((2 * SIZE + 1,), dtype, RANK)
+        batch, entries = single("rs.s", REDUCESCATTER, t, reduce_op=op, prescale=2.0,
+                                postscale=0.5)
+        _check(paths["host"], other, batch, entries, f"{dtype} {op.name} scaled")
+
+
+@pytest.mark.mpi
+def test_barrier_runs_on_every_path(paths, other):
+    batch, entries = single("barrier", BARRIER, torch.empty(0))
+    got = run_all(other.execute, batch, entries)
+    assert_all(got == [None], f"{got}")
+
+
+@pytest.mark.mpi
+def test_staged_path_copies_into_the_callers_output(paths):
+    """The twin stages: the inner backend sees host copies, the caller's tensors get results."""
+    t = values((6,), torch.float32, RANK)
+    out = torch.full_like(t, -1.0)
+    batch, entries = single("st", ALLREDUCE, t, output=out)
+    got = run_all(paths["staged"].execute, batch, entries)
+    want = sum(values((6,), torch.float32, r) for r in range(SIZE))
+    assert_all(got[0] is out and torch.equal(out, want) and
+               torch.equal(t, values((6,), torch.float32, RANK)), f"{got} {out} {want}")
+
+
+@pytest.mark.mpi
+def test_session_backend_runs_the_ops():
+    """Whatever MPIDP_BACKEND the session runs with, an op through mpidp gives the exact sum."""
+    t = values((33,), torch.int32, RANK)
+    got = mpidp.allreduce(t, op=mpidp.Sum, name="test_session_backend_runs_the_ops")
+    want = sum(values((33,), torch.int32, r) for r in range(SIZE))
+    assert_all(torch.equal(got, want), f"{got} vs {want}")
