@@ -1,0 +1,291 @@
+"""Checkpoints that lose nothing: rank-0 atomic save, rank-0 read broadcast to every rank, per-rank RNG.
+
+`save(path, **state)` stores named values: a `torch.nn.Module` as its `state_dict()`, anything
+else with `state_dict()` and `load_state_dict()` (optimizers, `DistributedOptimizer`, LR
+schedulers, `mpidp.elastic.ElasticSampler`) as its state, other values as they are. Values must be
+of types `torch.load(weights_only=True)` accepts (tensors, numbers, strings, bytes, None, lists,
+tuples, dicts, `torch.Size`, dtypes); `save` refuses anything else up front, so a checkpoint that
+could not be loaded is never written. It also stores the random number generator states of every
+rank: torch's CPU generator, numpy's global generator, Python's `random`, and CUDA's generators
+where CUDA is available. `load(path, **targets)` puts the saved states into the targets passed by
+name, restores this rank's own RNG states and returns the other values.
+
+Atomicity: rank 0 writes a temporary file `.<name>.tmp-<pid>` in the checkpoint's directory,
+flushes and fsyncs it, renames it over `path` (`os.replace`) and fsyncs the directory. A process
+killed at any moment leaves either the previous checkpoint or the new one, never a torn file.
+A kill before the rename leaves a temporary file behind; the next `save` to the same path removes
+every `.<name>.tmp-*`, so at most one stale temporary exists per checkpoint. One job saves to a
+given path at a time.
+"""
+
+import collections
+import errno
+import io
+import os
+import random
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from . import functions, runtime
+from .errors import MpidpError
+from .log import logger
+
+FORMAT = "mpidp.checkpoint/1"
+RESERVED = ("restore_rng",)  # load() options; save() refuses them as names
+
+_VALUE, _MODULE, _STATEFUL = "value", "module", "stateful"
+_PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device,
+          torch.Size)
+
+
+class CheckpointError(MpidpError):
+    """Saving or loading a checkpoint failed; raised on every rank with rank 0's reason."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """load(): there is no checkpoint at the path (rank 0 looked); raised on every rank."""
+
+
+# ---- RNG states, as types torch.load(weights_only=True) accepts ----
+
+def rng_state() -> Dict[str, Any]:
+    """This rank's RNG states: torch CPU, numpy global, Python `random`, CUDA if available."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+             "python": {"version": int(version),
+                        "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore states made by `rng_state()` (CUDA's only where as many devices are visible)."""
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            logger.warning("checkpoint: saved %d CUDA RNG states but %d devices are visible; "
+                           "CUDA RNG states not restored", len(cuda), torch.cuda.device_count())
+
+
+# ---- save ----
+
+def _kind(value) -> str:
+    if isinstance(value, torch.nn.Module):
+        return _MODULE
+    if callable(getattr(value, "state_dict", None)) and \
+            callable(getattr(value, "load_state_dict", None)):
+        return _STATEFUL
+    return _VALUE
+
+
+def _check_loadable(value, where: str) -> None:
+    """TypeError naming the first part of `value` that torch.load(weights_only=True) refuses.
+
+    Exact types, not isinstance: subclasses (numpy.float64, namedtuples, defaultdict) are refused
+    by a weights-only load even though their bases are accepted.
+    """
+    kind = type(value)
+    if isinstance(value, torch.Tensor) or kind in _PLAIN:
+        return
+    if kind in (list, tuple, set):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]")
+        return
+    if kind in (dict, collections.OrderedDict):
+        for key, item in value.items():
+            _check_loadable(key, f"{where} key {key!r}")
+            _check_loadable(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
+                    f"torch.load(weights_only=True) refuses; store tensors, numbers, strings, "
+                    f"lists, tuples or dicts (for example x.tolist() or torch.from_numpy(x))")
+
+
+def _payload(state: Dict[str, Any], rngs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    kinds, values = {}, {}
+    for key, value in state.items():
+        kinds[key] = _kind(value)
+        values[key] = value if kinds[key] == _VALUE else value.state_dict()
+        _check_loadable(values[key], f"checkpoint value {key!r}")
+    return {"format": FORMAT, "world_size": len(rngs), "kinds": kinds, "state": values,
+            "rng": rngs}
+
+
+def _remove_stale_temporaries(directory: str, base: str) -> None:
+    prefix = f".{base}.tmp-"
+    for entry in os.listdir(directory):
+        if entry.startswith(prefix):
+            try:
+                os.unlink(os.path.join(directory, entry))
+            except FileNotFoundError:
+                pass
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some file systems cannot fsync a directory; the rename is still atomic there.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: str, payload: Dict[str, Any]) -> None:
+    directory, base = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, "the checkpoint's directory does not exist",
+                                directory)
+    _remove_stale_temporaries(directory, base)
+    tmp = os.path.join(directory, f".{base}.tmp-{os.getpid()}")
+    # os.open rather than tempfile: the checkpoint gets the umask's permissions, like torch.save.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _describe(exc: BaseException) -> str:
+    """The failure in words; torch.save reports a failed write as an opaque RuntimeError, with
+    the OSError (ENOSPC, EFBIG, EIO...) that caused it only in the exception's context."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and cause is not exc:
+        text = f"{type(cause).__name__}: {cause} (torch.save said: {text})"
+    return text
+
+
+def save(path, /, **state) -> None:
+    """Save `state` (named values) to `path` atomically; rank 0 writes, every rank must call it.
+
+    Modules are stored as their `state_dict()`, objects with `state_dict()`/`load_state_dict()`
+    (optimizers, samplers, schedulers) as their state, other values as they are; every rank's RNG
+    states are stored too. Only rank 0's values are written: the ranks are assumed to hold
+    replicas. Synchronization: an allgather of the RNG states, then every rank waits until rank 0
+    has renamed the file into place and fsynced the directory (one broadcast of the outcome). If
+    rank 0 fails (bad directory, disk full, a value a weights-only load would refuse), every rank
+    raises CheckpointError with rank 0's reason, and the previous checkpoint at `path` is intact.
+    """
+    path = os.fspath(path)
+    bad = sorted(set(state) & set(RESERVED))
+    if bad:
+        raise ValueError(f"checkpoint.save: {bad} are load() options and cannot name a value")
+    rngs = functions.allgather_object(rng_state(), name="mpidp.checkpoint.save.rng")
+    failure = None
+    if runtime.rank() == 0:
+        try:
+            _write_atomically(path, _payload(state, rngs))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            failure = _describe(exc)
+            logger.error("checkpoint.save(%r) failed: %s", path, failure)
+    failure = functions.broadcast_object(failure, 0, name="mpidp.checkpoint.save.outcome")
+    if failure is not None:
+        raise CheckpointError(f"checkpoint.save({path!r}) failed on rank 0: {failure}; the "
+                              f"previous checkpoint there, if any, is unchanged")
+    logger.debug("checkpoint saved to %s", path)
+
+
+# ---- load ----
+
+def _read_on_rank0(path: str):
+    """(error kind, message, file bytes): only rank 0 touches the file."""
+    try:
+        with open(path, "rb") as f:
+            return None, None, f.read()
+    except FileNotFoundError:
+        return "missing", f"no checkpoint at {path!r} (as seen by rank 0)", b""
+    except OSError as exc:
+        return "error", f"rank 0 could not read {path!r}: {type(exc).__name__}: {exc}", b""
+
+
+def _parse(path: str, data: bytes) -> Dict[str, Any]:
+    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not an mpidp checkpoint (format {FORMAT})")
+    return payload
+
+
+def _apply(path: str, payload: Dict[str, Any], targets: Dict[str, Any]) -> Dict[str, Any]:
+    state, kinds = payload["state"], payload["kinds"]
+    missing = sorted(set(targets) - set(state))
+    if missing:
+        raise CheckpointError(f"{path!r} holds no {missing}; it holds {sorted(state)}")
+    for key, target in targets.items():
+        if not callable(getattr(target, "load_state_dict", None)):
+            raise TypeError(f"checkpoint.load: target {key!r} is a {type(target).__name__} "
+                            f"without load_state_dict(); leave it out to get the value back")
+        if kinds[key] == _VALUE:
+            raise TypeError(f"checkpoint.load: {key!r} was saved as a plain value, not as the "
+                            f"state of a module, optimizer or sampler")
+        target.load_state_dict(state[key])
+    return {key: value for key, value in state.items() if key not in targets}
+
+
+def load(path, /, *, restore_rng: bool = True, **targets) -> Dict[str, Any]:
+    """Load the checkpoint at `path` on every rank; return the values not passed as targets.
+
+    Rank 0 reads the file and broadcasts its bytes; every rank parses them with
+    `torch.load(weights_only=True)`. Each target (a module, optimizer, sampler..., passed under the
+    name it was saved with) gets its saved state through `load_state_dict`. With `restore_rng`,
+    each rank gets back its own RNG states from the save; if the checkpoint was saved by a
+    different number of ranks, RNG states are left alone (rank 0 logs a warning saying so) and the
+    rest loads. Synchronization: a broadcast of the file, then an allgather of every rank's
+    outcome: a missing file raises CheckpointNotFoundError, any other failure on any rank
+    CheckpointError, on every rank.
+    """
+    path = os.fspath(path)
+    rank = runtime.rank()
+    read = _read_on_rank0(path) if rank == 0 else None
+    kind, message, data = functions.broadcast_object(read, 0, name="mpidp.checkpoint.load.file")
+    if kind == "missing":
+        raise CheckpointNotFoundError(message)
+    if kind is not None:
+        raise CheckpointError(message)
+    rest, failure = None, None
+    try:
+        payload = _parse(path, data)
+        del data
+        rest = _apply(path, payload, targets)
+        if restore_rng and payload["world_size"] == runtime.size():
+            set_rng_state(payload["rng"][rank])
+        elif restore_rng and rank == 0:
+            logger.warning("checkpoint %s was saved by %d ranks and is loaded by %d: RNG states "
+                           "are not restored, so this run will not repeat the saved one "
+                           "bitwise", path, payload["world_size"], runtime.size())
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of every rank's failure
+        failure = f"{type(exc).__name__}: {exc}"
+    failures = functions.allgather_object(failure, name="mpidp.checkpoint.load.outcome")
+    bad = [(r, f) for r, f in enumerate(failures) if f is not None]
+    if bad:
+        raise CheckpointError(f"checkpoint.load({path!r}) failed: " +
+                              "; ".join(f"rank {r}: {f}" for r, f in bad))
+    return rest
