@@ -1,4 +1,4 @@
-"""MPI forced onto TCP (tests/run_tcp_env.sh): ranks really talk over TCP, and mpidp stays correct."""
+"""MPI forced onto TCP (tests/run_tcp_env.sh): the ranks really talk over TCP; mpidp stays right."""
 
 import json
 import subprocess
