@@ -16,7 +16,7 @@ from .messages import JOIN_NAME, OpType, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
-from .stats import EngineStats
+from .stats import BatchBytes, EngineStats
 from .tensor_queue import Entry, TensorQueue
 from .timeline import Timeline
 
@@ -60,6 +60,7 @@ class Engine:
         self.invalid = set()
         self.joined = False
         self.stats = EngineStats()
+        self._batch_bytes = BatchBytes(fusion.nbytes)
         # The knobs autotune may change; every rank changes them at the same cycle.
         self.fusion_threshold_bytes = config.fusion_threshold_bytes
         self.fuse_below_bytes = config.fuse_below_bytes
@@ -354,7 +355,7 @@ class Engine:
         for batch in fusion.plan(data, self.fuse_below_bytes, self.fusion_threshold_bytes):
             entries = [self.pending.get(r.name) for r in batch]
             op = batch[0].op
-            nbytes = 0 if op == OpType.BARRIER else sum(map(fusion.nbytes, batch))
+            nbytes = 0 if op == OpType.BARRIER else self._batch_bytes(batch)
             began = time.monotonic()
             try:
                 results = self.backend.execute(batch, entries)

@@ -90,6 +90,29 @@ class EngineStats:
         }
 
 
+class BatchBytes:
+    """Payload bytes of a batch, remembered per response: cached responses come back as the
+    same objects cycle after cycle, and a dict hit costs a third of recomputing the size."""
+
+    _LIMIT = 4096  # unnamed or uncached ops bring new names forever: start over past this
+
+    def __init__(self, nbytes):
+        self._nbytes = nbytes  # Response -> bytes
+        self._memo: Dict[str, tuple] = {}
+
+    def __call__(self, batch) -> int:
+        memo = self._memo
+        total = 0
+        for resp in batch:
+            hit = memo.get(resp.name)
+            if hit is None or hit[0] is not resp:
+                if len(memo) >= self._LIMIT:
+                    memo.clear()
+                hit = memo[resp.name] = (resp, self._nbytes(resp))
+            total += hit[1]
+        return total
+
+
 def difference(now: Dict[str, object], base: Dict[str, object]) -> Dict[str, object]:
     """Counters accumulated between two snapshots (`base` taken first), in snapshot form."""
     out = {}

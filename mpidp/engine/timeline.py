@@ -147,10 +147,13 @@ class Timeline:
             else:
                 self._row(row, out)
             return
-        ev = {"ph": ph, "name": name, "pid": 0, "tid": self._row(row, out),
-              "ts": round((t - self._t0) * 1e6, 3)}
+        # Whole nanoseconds, so a span ending where the next begins never seems to overlap it.
+        # What began before the timeline started (a queued op, a peer's early submission) is
+        # shown as beginning with it: viewers want no negative times.
+        start = max(0, round((t - self._t0) * 1e9))
+        ev = {"ph": ph, "name": name, "pid": 0, "tid": self._row(row, out), "ts": start / 1e3}
         if ph == "X":
-            ev["dur"] = round(max(dur, 0.0) * 1e6, 3)
+            ev["dur"] = (max(round((t + dur - self._t0) * 1e9), start) - start) / 1e3
         elif ph == "i":
             ev["s"] = "t"
         if args:
@@ -197,6 +200,57 @@ def load(path: str) -> List[dict]:
     return json.loads(text)
 
 
-def start(path: str, mark_cycles: bool) -> Optional[Timeline]:
-    """A new timeline writing to `path`, or None when `path` is empty."""
-    return Timeline(path, mark_cycles) if path else None
+def validate(events) -> Dict[str, int]:
+    """Check the Trace Event Format rules that Perfetto and chrome://tracing rely on, for the
+    events this module writes; ValueError names the first event that breaks one. Returns how
+    many events of each phase there are.
+
+    Rules: a list of objects; "ph" one of X, i, M; "name" a string; "pid" and (except on
+    process metadata) "tid" integers; "ts" and X's "dur" numbers >= 0 in microseconds; an
+    instant's scope "s" one of g, p, t; "args" an object; and the complete events of one row
+    nest: a span that starts inside another ends inside it too (viewers drop the rest).
+    """
+    if not isinstance(events, list):
+        raise ValueError("a trace is a JSON array of events")
+    counts: Dict[str, int] = {}
+    rows: Dict[int, list] = {}
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") not in ("X", "i", "M") \
+                or not isinstance(ev.get("name"), str) or type(ev.get("pid")) is not int \
+                or not isinstance(ev.get("args", {}), dict):
+            raise ValueError(f"malformed event {ev!r}")
+        counts[ev["ph"]] = counts.get(ev["ph"], 0) + 1
+        if ev["ph"] == "M" and ev["name"] == "process_name":
+            continue
+        if type(ev.get("tid")) is not int:
+            raise ValueError(f"event without an integer tid: {ev!r}")
+        if ev["ph"] == "M":
+            if ev["name"] not in ("thread_name", "thread_sort_index"):
+                raise ValueError(f"unknown metadata event {ev!r}")
+            continue
+        ts, dur = ev.get("ts"), ev.get("dur", 0)
+        if not isinstance(ts, (int, float)) or ts < 0 or not isinstance(dur, (int, float)) \
+                or dur < 0 or (ev["ph"] == "X" and "dur" not in ev):
+            raise ValueError(f"bad ts/dur in {ev!r}")
+        if ev["ph"] == "i" and ev.get("s") not in ("g", "p", "t"):
+            raise ValueError(f"instant event without scope g/p/t: {ev!r}")
+        if ev["ph"] == "X":
+            rows.setdefault(ev["tid"], []).append((ts, ts + dur, ev["name"]))
+    for tid, spans in rows.items():
+        stack: list = []
+        for begin, end, name in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while stack and stack[-1][1] <= begin + 1e-6:
+                stack.pop()
+            if stack and end > stack[-1][1] + 1e-6:
+                raise ValueError(f"row {tid}: {name!r} at {begin} us overlaps {stack[-1]} "
+                                 f"without nesting in it")
+            stack.append((begin, end, name))
+    return counts
+
+
+if __name__ == "__main__":
+    # python -m mpidp.engine.timeline FILE: check a timeline before opening it in Perfetto.
+    import sys
+    found = validate(load(sys.argv[1]))
+    print(f"{sys.argv[1]}: valid trace, {sum(found.values())} events "
+          f"({', '.join(f'{n} {ph}' for ph, n in sorted(found.items()))})")
