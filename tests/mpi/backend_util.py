@@ -1,4 +1,4 @@
-"""Helpers for driving data-path backends directly: hand-built batches, exact-valued data, comparison."""
+"""Driving data-path backends directly: hand-built batches, exact-valued data, comparison."""
 
 import torch
 

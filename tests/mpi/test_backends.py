@@ -1,4 +1,4 @@
-"""Data paths against the MPI host path: the gloo process-group adapter and the CUDA staging path's CPU twin."""
+"""Data paths against the MPI host path: the gloo adapter and the CUDA staging path's CPU twin."""
 
 import pytest
 import torch

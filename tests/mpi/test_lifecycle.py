@@ -42,11 +42,16 @@ def _reinit(**knobs):
 @pytest.mark.mpi
 def test_queries_match_comm_world():
     world = MPI.COMM_WORLD
+    r, n = world.Get_rank(), world.Get_size()
     got = {q: getattr(mpidp, q)() for q in QUERIES}
-    want = {"rank": world.Get_rank(), "size": world.Get_size(),
-            "local_rank": world.Get_rank(), "local_size": world.Get_size(),  # one host here
+    want = {"rank": r, "size": n,
+            "local_rank": r, "local_size": n,  # one host here
             "cross_rank": 0, "cross_size": 1, "is_homogeneous": True,
             "mpi_threads_supported": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
+    k = mpidp.runtime.state().config.simulated_local_size
+    if k:  # MPIDP_SIMULATED_LOCAL_SIZE: nodes of k consecutive ranks, the last one maybe short
+        want.update(local_rank=r % k, local_size=min(k, n - (r // k) * k), cross_rank=r // k,
+                    cross_size=len(range(r % k, n, k)), is_homogeneous=n % k == 0)
     bad = {q: (got[q], want[q]) for q in QUERIES if got[q] != want[q] or
            type(got[q]) is not type(want[q])}
     assert_all(not bad, f"(got, expected): {bad}")

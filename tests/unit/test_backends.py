@@ -1,4 +1,4 @@
-"""Data-path plumbing without peers: dispatch by device, the staging logic's CPU twin, knob rules."""
+"""Data-path plumbing without peers: dispatch by device, the staging CPU twin, knob rules."""
 
 import pytest
 import torch

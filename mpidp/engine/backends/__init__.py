@@ -1,8 +1,9 @@
 """Data paths behind one interface: `execute(batch, entries)` runs a negotiated batch.
 
 Every backend has `execute(batch, entries) -> list` (one result per response; entries[i] is None
-on a joined rank) and `close()`; the wrappers in cuda.py hold the backend they wrap in `inner`. `make_backend` builds a `Dispatch` that routes each batch by
-the device kind of its tensors (fusion.plan never mixes devices in one batch):
+on a joined rank) and `close()`; the wrappers in cuda.py hold the backend they wrap in `inner`.
+`make_backend` builds a `Dispatch` that routes each batch by the device kind of its tensors
+(fusion.plan never mixes device kinds in one batch; a rank runs its batches on its own device):
 
     MPIDP_BACKEND   CPU tensors                 CUDA tensors
     mpi             MPI on host memory          CUDA-aware MPI if cuda_aware_mpi says so,

@@ -1,8 +1,9 @@
 """MPI data path: buffer calls on host (or CUDA-aware) memory, fusion, chunking, hierarchy.
 
 Host tensors reach MPI as numpy views. On the CUDA-aware route (cuda.py wraps this backend
-in StreamOrdered) a CUDA tensor is handed to MPI as itself (mpi4py reads `__cuda_array_interface__`); since MPI is
-not stream-ordered, the engine thread's stream is synchronized before MPI reads device memory.
+in StreamOrdered) a CUDA tensor is handed to MPI as itself (mpi4py reads
+`__cuda_array_interface__`); since MPI is not stream-ordered, the engine thread's stream is
+synchronized before MPI reads device memory.
 That device branch has never run on a GPU (docs/data_paths.md).
 
 Hierarchical allreduce (knob `hierarchical_allreduce`): reduce-scatter on `comms.local`, allreduce
