@@ -9,21 +9,47 @@ from .launch import ROOT, clean_shm, run, shm_files
 
 ENV_SCRIPT = ROOT / "tests" / "run_tcp_env.sh"
 
-# Runs inside the job: an mpidp allreduce (small and large), then every rank lists the TCP
+# Runs inside the job: mpidp allreduces (small, then 4 MB), then every rank lists the TCP
 # connections its own sockets hold, and rank 0 pairs them up: rank a talks to rank b over TCP
-# when one of a's connections has b's local endpoint as its remote one.
+# when one of a's connections has b's local endpoint as its remote one. Each rank also counts
+# the bytes its TCP connections received during the 4 MB allreduce (the kernel's
+# tcpi_bytes_received, at offset 128 of struct tcp_info, Linux 4.1 and later).
 JOB = r'''
-import json, os
+import json, os, socket, struct
 from mpi4py import MPI
 import torch
 import mpidp
 
+BIG = 1 << 20
+
+def received():
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:["):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET,
+                                                                   socket.AF_INET6):
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+                total += struct.unpack_from("Q", info, 128)[0]
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return total
+
 mpidp.init()
 rank, size = mpidp.rank(), mpidp.size()
 ok = True
-for numel in (7, 1 << 20):
+for numel in (7, BIG):
     t = torch.full((numel,), float(rank + 1))
+    before = received()
     out = mpidp.allreduce(t, name=f"tcp.{numel}", op=mpidp.Sum)
+    got = received() - before
     ok = ok and bool(torch.all(out == size * (size + 1) / 2))
 
 def inodes():
@@ -51,7 +77,8 @@ def established():
                 pairs.append((col[1], col[2]))
     return pairs
 
-mine = {"ok": ok, "local_size": mpidp.local_size(), "cross_size": mpidp.cross_size()}
+mine = {"ok": ok, "local_size": mpidp.local_size(), "cross_size": mpidp.cross_size(),
+        "tcp_bytes_in": got, "tensor_bytes": 4 * BIG}
 conns = MPI.COMM_WORLD.gather(established(), root=0)
 facts = MPI.COMM_WORLD.gather(mine, root=0)
 if rank == 0:
@@ -104,6 +131,10 @@ def test_ranks_talk_over_tcp_and_results_are_right(job, n):
     assert all(f["local_size"] == 1 and f["cross_size"] == n for f in out["facts"]), out
     # No data moved but over TCP, so the rank-to-rank connections must join all n ranks.
     assert connected(n, out["linked"]), out
+    # And the 4 MB went through them: whatever the algorithm, an allreduce's every rank
+    # receives at least (n-1)/n of the tensor (the allgather half alone needs that).
+    for f in out["facts"]:
+        assert f["tcp_bytes_in"] >= f["tensor_bytes"] * (n - 1) / n, out
 
 
 def connected(n: int, pairs) -> bool:
@@ -129,3 +160,4 @@ def test_without_the_variables_ranks_share_memory_and_hold_no_tcp(job):
     assert all(f["ok"] for f in out["facts"]), out
     assert all(f["local_size"] == 2 for f in out["facts"]), out
     assert out["linked"] == [], out
+    assert all(f["tcp_bytes_in"] == 0 for f in out["facts"]), out
