@@ -109,6 +109,19 @@ def test_fit_recovers_known_alpha_beta():
     assert exact["a"] == pytest.approx(a) and exact["b"] == pytest.approx(b)
 
 
+def test_fit_keeps_coefficients_non_negative():
+    sizes = [4, 64, 1024, 16384, 262144]
+    # A large time at the smallest size and small ones after: the free fit's slope is negative.
+    fit = sm.fit_alpha_beta(sizes, [1e-3, 1e-4, 1e-4, 1e-4, 1e-4])
+    assert fit["clamped_to_zero"] == "b" and fit["beta"] == 0.0 and fit["alpha"] > 0
+    # Points on t = -1 us + n * 1 ns: the free fit's intercept is negative.
+    big = [10_000, 100_000, 1_000_000]
+    fit = sm.fit_alpha_beta(big, [-1e-6 + n * 1e-9 for n in big])
+    assert fit["clamped_to_zero"] == "a" and fit["alpha"] == 0.0
+    assert fit["beta"] == pytest.approx(1e-9, rel=0.1)
+    assert sm.fit_alpha_beta(sizes, [1e-6 + n * 1e-9 for n in sizes])["clamped_to_zero"] == ""
+
+
 def test_more_ranks_never_raise_efficiency_on_a_ring():
     grads = sm.gradient_bytes("resnet101")
     effs = []
