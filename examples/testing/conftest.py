@@ -3,7 +3,7 @@
     mpiexec -n 2 python -m pytest --with-mpi -p no:cacheprovider \
         --timeout=120 --timeout-method=thread examples/testing
 
-Three things every MPI test suite needs, here in about 60 lines:
+Three things every MPI test suite needs:
   1. mpidp.init() once per session on every rank, shutdown() at the end;
   2. a per-rank --basetemp, so that ranks do not race over pytest's temporary directories;
   3. assert_all(): a verdict that fails every rank when one rank fails.
