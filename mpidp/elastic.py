@@ -16,6 +16,9 @@ repeats the uninterrupted one bitwise (same world size, deterministic ops); in-m
 
 `ElasticSampler` shards a data set across ranks and records how far the epoch has got, so a
 resumed run continues mid-epoch without repeating or skipping samples, even on a new world size.
+For a bitwise repeat, give a DataLoader its own `generator=torch.Generator()`: otherwise every new
+iterator draws a seed from torch's global generator, and a resumed epoch makes one more iterator
+than the uninterrupted run did.
 """
 
 import abc
@@ -290,7 +293,8 @@ class ElasticSampler(torch.utils.data.Sampler):
             self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Every rank has finished batches 0..batch_idx (of `batch_size`) since the last reset."""
+        """Every rank has finished its batches 0..batch_idx (of `batch_size` samples per rank)
+        since the last reset (a load, a new epoch): the loader's own batch index will do."""
         done = (batch_idx + 1) * batch_size * self.num_replicas
         self.processed = self._base + min(done, self._remaining)
 
