@@ -9,6 +9,8 @@ from .errors import (CollectiveError, ConfigError, EngineShutdownError, HorovodI
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, check_replicas)
 from .optimizer import DistributedOptimizer
+from .process_sets import (ProcessSet, add_process_set, global_process_set,
+                           remove_process_set)
 from .sync_batch_norm import SyncBatchNorm
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_async,
                   allreduce_async_, alltoall_async, barrier, broadcast_async, broadcast_async_,

@@ -11,7 +11,7 @@ from . import ops, runtime
 from .errors import MpidpError
 
 
-def broadcast_parameters(params, root_rank: int = 0) -> None:
+def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
     """Overwrite parameters on every rank with global rank `root_rank`'s, in place.
 
     `params`: a state_dict (processed in sorted key order), a list of parameters, or a list of
@@ -29,32 +29,37 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a "
                             f"tensor")
         handles.append(ops.broadcast_async_(tensor.data, root_rank,
-                                            name=f"broadcast_parameters.{name}"))
+                                            name=f"broadcast_parameters.{name}",
+                                            process_set=process_set))
     for handle in handles:
         ops.synchronize(handle)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str = None) -> Any:
-    """Return global rank `root_rank`'s `obj` (pickled) on every rank. Blocks on every rank."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=None) -> Any:
+    """Return global rank `root_rank`'s `obj` (pickled) on every rank (of the set).
+    Synchronization: blocks until every rank of the set has called it."""
     name = name or "broadcast_object"
     rank = runtime.rank()
     payload = torch.from_numpy(np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8)) \
         if rank == root_rank else torch.empty(0, dtype=torch.uint8)
     length = ops.synchronize(ops.broadcast_async(torch.tensor([payload.numel()]), root_rank,
-                                                 name=f"{name}.length"))
+                                                 name=f"{name}.length", process_set=process_set))
     if rank != root_rank:
         payload = torch.empty(int(length[0]), dtype=torch.uint8)
-    ops.synchronize(ops.broadcast_async_(payload, root_rank, name=f"{name}.bytes"))
+    ops.synchronize(ops.broadcast_async_(payload, root_rank, name=f"{name}.bytes",
+                                         process_set=process_set))
     return obj if rank == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: str = None) -> List[Any]:
-    """Every rank's `obj`, in rank order, on every rank. Blocks on every rank."""
+def allgather_object(obj: Any, name: str = None, process_set=None) -> List[Any]:
+    """Every rank's `obj` (of the set), in rank order, on every rank of the set.
+    Synchronization: blocks until every rank of the set has called it."""
     name = name or "allgather_object"
     data = torch.from_numpy(np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8))
     lengths = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()]),
-                                                  name=f"{name}.length"))
-    gathered = ops.synchronize(ops.allgather_async(data, name=f"{name}.bytes")).numpy()
+                                                  name=f"{name}.length", process_set=process_set))
+    gathered = ops.synchronize(ops.allgather_async(data, name=f"{name}.bytes",
+                                                   process_set=process_set)).numpy()
     offsets = np.concatenate(([0], np.cumsum(lengths.numpy())))
     return [pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
             for i in range(len(lengths))]

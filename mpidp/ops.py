@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from . import runtime
+from .process_sets import member_of
 from .engine.handles import Handle
 from .engine.messages import JOIN_NAME, OpType, ReduceOp, Request
 from .engine.tensor_queue import Entry
@@ -76,7 +77,7 @@ def _check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float
 _UNNAMED = "<unnamed>"  # stands in for the number an unnamed op draws once it is accepted
 
 
-def _name(state, name: Optional[str], what: str):
+def _name(name: Optional[str], what: str):
     if name is None:
         return _UNNAMED, False
     if not isinstance(name, str) or not name:
@@ -90,18 +91,19 @@ def _request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=
                    cacheable)
 
 
-def _submit(state, entries: List[Entry], finish) -> int:
+def _submit(target, entries: List[Entry], finish) -> int:
+    state, member = target
     first = entries[0].request if entries else None
     if first is not None and not first.cacheable and first.name.startswith(_UNNAMED):
         # Numbered only now, after validation: an op refused on one rank must not shift the
         # numbering that matches unnamed ops across ranks.
-        number = state.auto_name()
+        number = member.auto_name()
         for entry in entries:
             name = entry.request.name.replace(_UNNAMED, number, 1)
             entry.request = entry.request._replace(name=name)
             entry.handle.name = name
-    state.engine.submit(entries)
-    return state.handles.register([e.handle for e in entries], finish)
+    member.engine.submit(entries)
+    return state.handles.register([e.handle for e in entries], finish, member.engine)
 
 
 def _entry(request, tensor, output, extra=None) -> Entry:
@@ -115,10 +117,10 @@ def _first(results):
 # ---- allreduce ----
 
 def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, inplace,
-                       what="allreduce"):
-    state = runtime.state()
+                       process_set, what="allreduce"):
+    target = member_of(process_set, what)
     reduce_op = _resolve_op(average, op, what)
-    base, cacheable = _name(state, name, what)
+    base, cacheable = _name(name, what)
     entries = []
     for i, tensor in enumerate(tensors):
         label = base if len(tensors) == 1 and what == "allreduce" else f"{base}.{i}"
@@ -128,48 +130,50 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
         req = _request(label, cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
                        postscale_factor)
         entries.append(_entry(req, t, out))
-    return state, entries
+    return target, entries
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0) -> int:
+                    postscale_factor=1.0, process_set=None) -> int:
     """Start an allreduce into a new tensor; returns a handle. No synchronization until
     synchronize(handle), which blocks until every rank has submitted the same name."""
-    state, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
-                                        postscale_factor, False)
-    return _submit(state, entries, _first)
+    target, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
+                                        postscale_factor, False, process_set)
+    return _submit(target, entries, _first)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0) -> int:
+                     postscale_factor=1.0, process_set=None) -> int:
     """Start an in-place allreduce of `tensor`; returns a handle (see allreduce_async)."""
-    state, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
-                                        postscale_factor, True)
-    return _submit(state, entries, lambda results: tensor)
+    target, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
+                                        postscale_factor, True, process_set)
+    return _submit(target, entries, lambda results: tensor)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0) -> int:
+                            postscale_factor=1.0, process_set=None) -> int:
     """Start allreduces of a list, submitted atomically; synchronize() returns a list."""
-    state, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
-                                        postscale_factor, False, "grouped_allreduce")
-    return _submit(state, entries, list)
+    target, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
+                                        postscale_factor, False, process_set,
+                                        "grouped_allreduce")
+    return _submit(target, entries, list)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0) -> int:
+                             postscale_factor=1.0, process_set=None) -> int:
     """In-place form of grouped_allreduce_async."""
     tensors = list(tensors)
-    state, entries = _grouped_allreduce(tensors, average, name, op, prescale_factor,
-                                        postscale_factor, True, "grouped_allreduce")
-    return _submit(state, entries, lambda results: tensors)
+    target, entries = _grouped_allreduce(tensors, average, name, op, prescale_factor,
+                                        postscale_factor, True, process_set,
+                                        "grouped_allreduce")
+    return _submit(target, entries, lambda results: tensors)
 
 
 # ---- allgather ----
 
-def _allgather_entries(tensors, name, what):
-    state = runtime.state()
-    base, cacheable = _name(state, name, what)
+def _allgather_entries(tensors, name, what, process_set):
+    target = member_of(process_set, what)
+    base, cacheable = _name(name, what)
     entries = []
     for i, tensor in enumerate(tensors):
         label = base if what == "allgather" else f"{base}.{i}"
@@ -177,47 +181,52 @@ def _allgather_entries(tensors, name, what):
         if t.dim() == 0:
             t = t.reshape(1)
         entries.append(_entry(_request(label, cacheable, OpType.ALLGATHER, t), t, None))
-    return state, entries
+    return target, entries
 
 
-def allgather_async(tensor, name=None) -> int:
+def allgather_async(tensor, name=None, process_set=None) -> int:
     """Start gathering every rank's tensor along dim 0 (dim 0 may differ); returns a handle."""
-    state, entries = _allgather_entries([tensor], name, "allgather")
-    return _submit(state, entries, _first)
+    target, entries = _allgather_entries([tensor], name, "allgather", process_set)
+    return _submit(target, entries, _first)
 
 
-def grouped_allgather_async(tensors, name=None) -> int:
+def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     """Start allgathers of a list, submitted atomically; synchronize() returns a list."""
-    state, entries = _allgather_entries(list(tensors), name, "grouped_allgather")
-    return _submit(state, entries, list)
+    target, entries = _allgather_entries(list(tensors), name, "grouped_allgather", process_set)
+    return _submit(target, entries, list)
 
 
 # ---- broadcast ----
 
-def _broadcast(tensor, root_rank, name, inplace) -> int:
-    state = runtime.state()
+def _broadcast(tensor, root_rank, name, inplace, process_set) -> int:
     what = "broadcast"
-    base, cacheable = _name(state, name, what)
+    target = member_of(process_set, what)
+    member = target[1]
+    base, cacheable = _name(name, what)
     t = _check_tensor(tensor, f"{what} {base!r}", inplace)
-    size = state.comms.size
+    size = target[0].comms.size
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"{what} {base!r}: root_rank must be an int, got {root_rank!r}")
     if not 0 <= root_rank < size:
         raise ValueError(f"{what} {base!r}: root_rank {root_rank} is out of range; the world "
                          f"has ranks 0..{size - 1}")
+    if root_rank not in member.ranks:
+        raise ValueError(f"{what} {base!r}: root_rank {root_rank} is not in process set "
+                         f"{member.set_id} (ranks {list(member.ranks)}); root_rank is a global "
+                         f"rank and must be a member")
     out = t if inplace else torch.empty_like(t)
-    req = _request(base, cacheable, OpType.BROADCAST, t, root=root_rank)
-    return _submit(state, [_entry(req, t, out)], (lambda results: tensor) if inplace else _first)
+    req = _request(base, cacheable, OpType.BROADCAST, t, root=member.ranks.index(root_rank))
+    return _submit(target, [_entry(req, t, out)], (lambda results: tensor) if inplace else _first)
 
 
-def broadcast_async(tensor, root_rank, name=None) -> int:
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
     """Start a broadcast from global rank `root_rank` into a new tensor (input untouched)."""
-    return _broadcast(tensor, root_rank, name, False)
+    return _broadcast(tensor, root_rank, name, False, process_set)
 
 
-def broadcast_async_(tensor, root_rank, name=None) -> int:
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     """Start an in-place broadcast from global rank `root_rank`."""
-    return _broadcast(tensor, root_rank, name, True)
+    return _broadcast(tensor, root_rank, name, True, process_set)
 
 
 # ---- alltoall ----
@@ -247,16 +256,16 @@ def _check_splits(splits, t: torch.Tensor, size: int, what: str) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def alltoall_async(tensor, splits=None, name=None) -> int:
-    """Start an alltoall: rows splits[i] go to rank i. synchronize() returns the output, or
-    (output, received_splits) when `splits` was given."""
-    state = runtime.state()
+def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
+    """Start an alltoall: rows splits[i] go to rank i (of the set). synchronize() returns the
+    output, or (output, received_splits) when `splits` was given."""
     what = "alltoall"
-    base, cacheable = _name(state, name, what)
+    target = member_of(process_set, what)
+    base, cacheable = _name(name, what)
     t = _check_tensor(tensor, f"{what} {base!r}", False)
     if t.dim() == 0:
         raise ValueError(f"{what} {base!r}: needs at least one dimension to split")
-    size = state.comms.size
+    size = target[1].size
     arr = None
     if splits is not None:
         arr = _check_splits(splits, t, size, f"{what} {base!r}")
@@ -265,18 +274,19 @@ def alltoall_async(tensor, splits=None, name=None) -> int:
                          f"{size} ranks; pass splits=")
     req = _request(base, cacheable, OpType.ALLTOALL, t)
     finish = _first if splits is not None else (lambda results: results[0][0])
-    return _submit(state, [_entry(req, t, None, arr)], finish)
+    return _submit(target, [_entry(req, t, None, arr)], finish)
 
 
 # ---- reducescatter ----
 
-def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor, what):
-    state = runtime.state()
+def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor, what,
+                           process_set):
+    target = member_of(process_set, what)
     reduce_op = _resolve_op(None, op, what)
     if reduce_op not in (Average, Sum):
         raise ValueError(f"{what}: reduce op {reduce_op.name.capitalize()} is not supported; "
                          f"use mpidp.Average or mpidp.Sum")
-    base, cacheable = _name(state, name, what)
+    base, cacheable = _name(name, what)
     entries = []
     for i, tensor in enumerate(tensors):
         label = base if what == "reducescatter" else f"{base}.{i}"
@@ -288,41 +298,42 @@ def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor,
         req = _request(label, cacheable, OpType.REDUCESCATTER, t, reduce_op, prescale_factor,
                        postscale_factor)
         entries.append(_entry(req, t, None))
-    return state, entries
+    return target, entries
 
 
 def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0) -> int:
+                        postscale_factor=1.0, process_set=None) -> int:
     """Start a reduce-scatter along dim 0; the first dim0 % size ranks get one extra row."""
-    state, entries = _reducescatter_entries([tensor], name, op, prescale_factor,
-                                            postscale_factor, "reducescatter")
-    return _submit(state, entries, _first)
+    target, entries = _reducescatter_entries([tensor], name, op, prescale_factor,
+                                            postscale_factor, "reducescatter", process_set)
+    return _submit(target, entries, _first)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
-                                postscale_factor=1.0) -> int:
+                                postscale_factor=1.0, process_set=None) -> int:
     """Reduce-scatter a list, submitted atomically; synchronize() returns a list."""
-    state, entries = _reducescatter_entries(list(tensors), name, op, prescale_factor,
-                                            postscale_factor, "grouped_reducescatter")
-    return _submit(state, entries, list)
+    target, entries = _reducescatter_entries(list(tensors), name, op, prescale_factor,
+                                            postscale_factor, "grouped_reducescatter",
+                                            process_set)
+    return _submit(target, entries, list)
 
 
 # ---- barrier, join, handles ----
 
-def barrier() -> None:
-    """Block until every rank has called barrier(). Synchronization: all ranks."""
-    state = runtime.state()
-    name = state.auto_name()
-    req = Request(name, int(OpType.BARRIER), cacheable=False)
-    synchronize(_submit(state, [_entry(req, None, None)], _first))
+def barrier(process_set=None) -> None:
+    """Block until every rank (of the set) has called barrier(). Synchronization: those ranks."""
+    target = member_of(process_set, "barrier")
+    req = Request(target[1].auto_name(), int(OpType.BARRIER), cacheable=False)
+    synchronize(_submit(target, [_entry(req, None, None)], _first))
 
 
 def join(device: int = -1) -> int:
     """Declare that this rank has no more data; until every rank has joined, its allreduces
     contribute zeros to the others'. Blocks until all ranks joined; returns the last to join."""
-    state = runtime.state()
+    target = member_of(None, "join")
+    state = target[0]
     req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False, serial=state.unnamed_count())
-    last, serial = synchronize(_submit(state, [_entry(req, None, None)], _first))
+    last, serial = synchronize(_submit(target, [_entry(req, None, None)], _first))
     # Ranks that kept going numbered unnamed ops (barriers, allreduces) the joined ranks did not;
     # all continue from the highest count so later unnamed ops match again.
     state.resume_names(serial)
@@ -341,22 +352,22 @@ def synchronize(handle: int, timeout: Optional[float] = None):
     state = runtime.state()
     if state.handles.poll(handle):
         return state.handles.wait(handle)
-    with state.engine.user_waiting():
+    with (state.handles.owner(handle) or state.engine).user_waiting():
         return state.handles.wait(handle, timeout)
 
 
-def sparse_allreduce_async(tensor, name=None, op=Average) -> int:
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None) -> int:
     """Start reducing a sparse COO tensor by gathering every rank's indices and values;
     synchronize() returns the coalesced sparse result (values divided by size for Average)."""
-    state = runtime.state()
     what = "sparse_allreduce"
+    target = member_of(process_set, what)
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
         raise TypeError(f"{what}: expected a sparse COO tensor; use allreduce for dense ones")
     reduce_op = _resolve_op(None, op, what)
     if reduce_op not in (Average, Sum):
         raise ValueError(f"{what}: only Average and Sum are supported, not "
                          f"{reduce_op.name.capitalize()}")
-    base, cacheable = _name(state, name, what)
+    base, cacheable = _name(name, what)
     t = tensor.detach().coalesce()
     indices = t.indices().t().contiguous()   # (nnz, sparse_dims): gathered along dim 0
     values = t.values().contiguous()
@@ -364,7 +375,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average) -> int:
                       indices, None),
                _entry(_request(f"{base}.values", cacheable, OpType.ALLGATHER, values),
                       values, None)]
-    size, shape = state.comms.size, t.shape
+    size, shape = target[1].size, t.shape
 
     def finish(results):
         idx, vals = results
@@ -372,4 +383,4 @@ def sparse_allreduce_async(tensor, name=None, op=Average) -> int:
             vals = vals / size
         return torch.sparse_coo_tensor(idx.t(), vals, shape, check_invariants=True).coalesce()
 
-    return _submit(state, entries, finish)
+    return _submit(target, entries, finish)

@@ -6,7 +6,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import ops, runtime
+from . import ops
+from .process_sets import member_of
 from .compression import Compression
 from .ops import Average, Sum
 
@@ -43,7 +44,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, process_set=None):
         # torch.optim.Optimizer.__init__ is deliberately not called: the state lives in the
         # wrapped optimizer, and attribute access falls through to it.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -55,6 +56,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if gradient_predivide_factor <= 0:
             raise ValueError("gradient_predivide_factor must be > 0")
         self.__dict__["_opt"] = optimizer
+        # Refused here, not at the first backward, if this rank is not in the set.
+        self._set_size = member_of(process_set, "DistributedOptimizer")[1].size
+        self._process_set = process_set
         self._names = _named(optimizer, named_parameters)
         self._compression = compression
         self._op = op
@@ -167,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return p.grad
 
     def _submit(self, params) -> None:
-        size = runtime.size()
+        size = self._set_size
         op = Sum if self._op == Average else self._op
         post = self._post_factor / size if self._op == Average else 1.0
         wires = []
@@ -177,12 +181,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(wires) == 1:
             p, wire, ctx = wires[0]
             handle = ops.allreduce_async_(wire, name=self._names[p], op=op,
-                                          prescale_factor=self._pre, postscale_factor=post)
+                                          prescale_factor=self._pre, postscale_factor=post,
+                                          process_set=self._process_set)
             self._handles[p] = (handle, wire, ctx, None)
             return
         handle = ops.grouped_allreduce_async_([w for _, w, _ in wires],
                                               name=self._names[wires[0][0]] + ".group", op=op,
-                                              prescale_factor=self._pre, postscale_factor=post)
+                                              prescale_factor=self._pre, postscale_factor=post,
+                                              process_set=self._process_set)
         for i, (p, wire, ctx) in enumerate(wires):
             self._handles[p] = (handle, wire, ctx, i)
 

@@ -14,15 +14,15 @@ from .errors import ConfigError, MpidpError, NotInitializedError
 from .log import configure as _configure_log, logger
 
 
-class _State:
-    """Everything one init() creates; replaced wholesale by the next init()."""
+class _Member:
+    """This rank's part in one process set: the set's world ranks, its engine, unnamed numbering."""
 
-    def __init__(self, comms, engine, cfg, homogeneous: bool):
-        self.comms = comms
+    def __init__(self, set_id: int, ranks, engine, world_rank: int):
+        self.set_id = set_id
+        self.ranks = tuple(ranks)
         self.engine = engine
-        self.config = cfg
-        self.homogeneous = homogeneous
-        self.handles = HandleTable()
+        self.rank = self.ranks.index(world_rank)
+        self.size = len(self.ranks)
         self._lock = threading.Lock()
         self._noname = 0
 
@@ -39,6 +39,40 @@ class _State:
         """Continue unnamed numbering from `count` (after a join, the same on every rank)."""
         with self._lock:
             self._noname = max(self._noname, count)
+
+
+class _State:
+    """Everything one init() creates; replaced wholesale by the next init()."""
+
+    def __init__(self, comms, engine, cfg, homogeneous: bool, admin):
+        self.comms = comms
+        self.engine = engine  # the global process set's engine
+        self.config = cfg
+        self.homogeneous = homogeneous
+        self.handles = HandleTable()
+        self.admin = admin  # user-thread collectives (process-set registration), apart from engines
+        self.sets = {0: tuple(range(comms.size))}  # every registered set: id -> world ranks
+        self.members = {0: _Member(0, self.sets[0], engine, comms.rank)}  # sets this rank is in
+        self.next_set_id = 1
+        self.set_lock = threading.Lock()
+
+    @property
+    def engines(self):
+        """Engines of the process sets this rank belongs to, by set id (0: global)."""
+        return {sid: m.engine for sid, m in self.members.items()}
+
+    @property
+    def _noname(self) -> int:
+        return self.members[0].unnamed_count()
+
+    def auto_name(self) -> str:
+        return self.members[0].auto_name()
+
+    def unnamed_count(self) -> int:
+        return self.members[0].unnamed_count()
+
+    def resume_names(self, count: int) -> None:
+        self.members[0].resume_names(count)
 
 
 _state: Optional[_State] = None
@@ -130,11 +164,123 @@ def _base_comm(MPI, comm):
                     f"not {type(comm).__name__}")
 
 
-def init(comm=None, **overrides) -> None:
+def _set_ranks(MPI, obj, world) -> tuple:
+    """World ranks of a process set given as a list of ranks or as (an object with) ranks/mpi_comm."""
+    comm = getattr(obj, "mpi_comm", None)
+    if comm is None and isinstance(obj, MPI.Comm):
+        comm = obj
+    if comm is not None:
+        if comm == MPI.COMM_NULL:
+            return None  # this rank is outside the set; the members say which ranks are in it
+        group, world_group = comm.Get_group(), world.Get_group()
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world_group)
+        group.Free()
+        world_group.Free()
+        if MPI.UNDEFINED in ranks:
+            raise ValueError("the process set's communicator holds processes outside mpidp's "
+                             "world; build it from the communicator given to init()")
+    else:
+        ranks = getattr(obj, "ranks", obj)
+    try:
+        ranks = [int(r) for r in ranks if not isinstance(r, bool)] if ranks is not None else []
+    except (TypeError, ValueError):
+        raise TypeError(f"a process set is a list of ranks or an mpi4py communicator, not "
+                        f"{ranks!r}") from None
+    size = world.Get_size()
+    if not ranks or len(set(ranks)) != len(ranks) or min(ranks) < 0 or max(ranks) >= size:
+        raise ValueError(f"process set ranks {ranks!r} must be distinct ranks in 0..{size - 1}, "
+                         f"at least one")
+    return tuple(sorted(ranks))
+
+
+def _register_set(MPI, st: "_State", obj, start: bool):
+    """Register a process set on every rank; members get an engine. Returns the set id.
+
+    Synchronization: collective over mpidp's world (allgather, then MPI_Comm_create).
+    """
+    from .engine.engine import Engine
+    from .engine.mpi import Comms
+
+    try:
+        view, error = _set_ranks(MPI, obj, st.admin), None
+    except (TypeError, ValueError) as exc:
+        view, error = None, f"{type(exc).__name__}: {exc}"
+    views = st.admin.allgather((view, error))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(views) if e]
+    if errors:
+        raise ValueError("process set refused: " + "; ".join(errors))
+    distinct = sorted({v for v, _ in views if v is not None})
+    if len(distinct) != 1:
+        described = ", ".join(f"rank {r}: {list(v) if v else None}" for r, (v, _) in
+                              enumerate(views))
+        raise ValueError(f"process set refused: ranks disagree on its members ({described}); "
+                         f"every rank must add the same set")
+    ranks = distinct[0]
+    for sid, existing in st.sets.items():
+        if existing == ranks:
+            raise ValueError(f"a process set with ranks {list(ranks)} already exists (id {sid}); "
+                             f"use that one")
+    group = st.admin.Get_group()
+    sub = group.Incl(list(ranks))
+    comm = st.admin.Create(sub)
+    sub.Free()
+    group.Free()
+    with st.set_lock:
+        sid = st.next_set_id
+        st.next_set_id += 1
+        st.sets[sid] = ranks
+    if comm != MPI.COMM_NULL:
+        comms = _comms(Comms, comm, st.config)
+        comm.Free()
+        engine = Engine(comms, st.config, sid)
+        st.members[sid] = _Member(sid, ranks, engine, st.comms.rank)
+        if start:
+            engine.start()
+    return sid
+
+
+def _comms(Comms, base, cfg):
+    return Comms(base, cfg.simulated_local_size)
+
+
+def add_set(obj) -> int:
+    """Register a process set after init(); see mpidp.add_process_set. Collective over the world."""
+    from mpi4py import MPI
+    st = state()
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        raise MpidpError("adding a process set after init() needs MPI_THREAD_MULTIPLE (mpidp's "
+                         "engine threads use MPI meanwhile); pass the set to "
+                         "init(process_sets=[...]) instead, or unset MPI4PY_RC_THREAD_LEVEL")
+    return _register_set(MPI, st, obj, start=True)
+
+
+def remove_set(set_id: int, timeout: float = 60.0) -> None:
+    """Stop a process set's engine on its members and forget the set on every rank.
+
+    Synchronization: members stop their engine at a cycle they share (like shutdown()).
+    """
+    st = state()
+    if set_id == 0:
+        raise ValueError("the global process set cannot be removed; call mpidp.shutdown()")
+    with st.set_lock:
+        if set_id not in st.sets:
+            raise ValueError(f"process set {set_id} is not registered (removed already?)")
+        del st.sets[set_id]
+        member = st.members.pop(set_id, None)
+    if member is not None and not member.engine.stop(timeout):
+        logger.warning("remove_process_set: the engine of set %d did not stop within %.0f s "
+                       "(a member rank is gone or did not call remove_process_set)", set_id,
+                       timeout)
+
+
+def init(comm=None, process_sets=None, **overrides) -> None:
     """Start mpidp on every rank of `comm` (default COMM_WORLD). Collective: all ranks must call it.
 
-    Synchronization: blocking collectives on `comm` (knob agreement, communicator duplication).
-    Keyword overrides set knobs by field name (see mpidp.config). Registers shutdown() at exit.
+    `process_sets`: ProcessSet objects (or rank lists) registered now, on every rank, in order;
+    "dynamic" is accepted for Horovod compatibility (sets may always be added later).
+    Synchronization: blocking collectives on `comm` (knob agreement, communicator duplication,
+    process-set communicators). Keyword overrides set knobs by field name (see mpidp.config).
+    Registers shutdown() at exit.
     """
     global _state, _atexit_registered
     from mpi4py import MPI  # imported here: importing mpidp must not initialise MPI
@@ -164,7 +310,8 @@ def init(comm=None, **overrides) -> None:
                     f"knob {field} must be the same on every rank: rank 0 has {value!r}, ranks "
                     f"{differ} have {[dict(views[r][1])[field] for r in differ]}; set the "
                     f"variable the same way for the whole job")
-        comms = Comms(base)
+        comms = _comms(Comms, base, cfg)
+        admin = base.Dup()
         if comm is not None and base is not comm:
             base.Free()
         _configure_log(comms.rank, comms.size, cfg.log_level)
@@ -172,8 +319,17 @@ def init(comm=None, **overrides) -> None:
         _warn_lonely_world(comms.size)
         homogeneous = len(set(comms.local_sizes)) == 1
         engine = Engine(comms, cfg)
-        _state = _State(comms, engine, cfg, homogeneous)
-        engine.start()
+        st = _State(comms, engine, cfg, homogeneous, admin)
+        if process_sets == "dynamic":
+            process_sets = []
+        for obj in process_sets or []:
+            # Registered before any engine thread runs, so MPI_THREAD_SERIALIZED suffices.
+            sid = _register_set(MPI, st, obj, start=False)
+            if hasattr(obj, "process_set_id"):
+                obj.process_set_id = sid
+        _state = st
+        for member in st.members.values():
+            member.engine.start()
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -192,9 +348,14 @@ def shutdown(timeout: float = 60.0) -> None:
         state, _state = _state, None
     if state is None:
         return
-    if not state.engine.stop(timeout):
-        logger.warning("shutdown: the engine did not stop within %.0f s (a peer rank is gone or "
-                       "stuck); leaving it behind", timeout)
+    stopped = True
+    for sid in sorted(state.members, reverse=True):  # process sets first, the global set last
+        if not state.members[sid].engine.stop(timeout):
+            stopped = False
+            logger.warning("shutdown: the engine of process set %d did not stop within %.0f s "
+                           "(a peer rank is gone or stuck); leaving it behind", sid, timeout)
+    if stopped:
+        state.admin.Free()
 
 
 def is_initialized() -> bool:

@@ -58,12 +58,16 @@ class HandleTable:
 
     def __init__(self):
         self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
-        self._ops: Dict[int, Tuple[List[Handle], Callable[[list], Any]]] = {}
+        self._ops: Dict[int, Tuple[List[Handle], Callable[[list], Any], Any]] = {}
 
-    def register(self, members: List[Handle], finish: Callable[[list], Any]) -> int:
+    def register(self, members: List[Handle], finish: Callable[[list], Any], owner=None) -> int:
+        """A new handle for `members`; `owner` is whatever runs them (the process set's engine)."""
         hid = next(self._ids)
-        self._ops[hid] = (members, finish)
+        self._ops[hid] = (members, finish, owner)
         return hid
+
+    def owner(self, hid: int):
+        return self._get(hid)[2]
 
     def _get(self, hid: int):
         try:
@@ -77,7 +81,7 @@ class HandleTable:
 
     def wait(self, hid: int, timeout: Optional[float] = None):
         """Results of every member passed through the op's finish; the handle is then spent."""
-        members, finish = self._get(hid)
+        members, finish, _ = self._get(hid)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             results = [h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))

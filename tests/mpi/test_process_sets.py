@@ -1,0 +1,265 @@
+"""Process sets: static and dynamic registration, every collective's process_set=, the optimizer."""
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidp
+from mpi_util import assert_all, gather, raises_all, run_all
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def _world():
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@pytest.fixture
+def evens_odds():
+    """Two disjoint dynamic sets (even ranks, odd ranks), removed after the test."""
+    rank, size = _world()
+    evens = mpidp.add_process_set(list(range(0, size, 2)))
+    odds = mpidp.add_process_set(mpidp.ProcessSet(list(range(1, size, 2))))
+    yield evens, odds
+    mpidp.remove_process_set(odds)
+    mpidp.remove_process_set(evens)
+
+
+def _mine(evens, odds):
+    rank, _ = _world()
+    return (evens, odds) if rank % 2 == 0 else (odds, evens)
+
+
+def test_set_queries(evens_odds):
+    evens, odds = evens_odds
+    rank, size = _world()
+    mine, other = _mine(evens, odds)
+
+    def check():
+        assert mine.included() and not other.included()
+        assert mine.ranks == list(range(rank % 2, size, 2))
+        assert mine.size() == len(mine.ranks)
+        assert mine.rank() == mine.ranks.index(rank)
+        assert mpidp.global_process_set.ranks == list(range(size))
+        assert mpidp.global_process_set.process_set_id == 0
+        assert evens.process_set_id != odds.process_set_id
+        with pytest.raises(ValueError, match="not in process set"):
+            other.rank()
+    run_all(check)
+
+
+@pytest.mark.parametrize("op", [mpidp.Sum, mpidp.Average, mpidp.Max])
+def test_allreduce_reduces_over_members_only(evens_odds, op):
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+    x = torch.full((5,), float(rank + 1))
+    out = run_all(mpidp.allreduce, x, name="ps.allreduce", op=op, process_set=mine)
+    vals = [r + 1.0 for r in mine.ranks]
+    expected = {mpidp.Sum: sum(vals), mpidp.Average: sum(vals) / len(vals),
+                mpidp.Max: max(vals)}[op]
+    assert_all(torch.allclose(out, torch.full((5,), expected)), f"{out} != {expected}")
+
+
+def test_unnamed_ops_in_sets_and_world_interleave(evens_odds):
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+    outs = []
+
+    def body():
+        # Members of different sets submit different numbers of unnamed set ops; global unnamed
+        # numbering must not be shifted by them.
+        for _ in range(1 + rank % 2):
+            outs.append(mpidp.allreduce(torch.ones(2), op=mpidp.Sum, process_set=mine))
+        outs.append(mpidp.allreduce(torch.ones(2), op=mpidp.Sum))
+    run_all(body)
+    ok = all(o.tolist() == [float(mine.size())] * 2 for o in outs[:-1])
+    assert_all(ok and outs[-1].tolist() == [float(size)] * 2, [o.tolist() for o in outs])
+
+
+def test_other_collectives_in_a_set(evens_odds):
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+    members = mine.ranks
+    k, me = len(members), mine.rank()
+
+    def body():
+        got = {}
+        got["allgather"] = mpidp.allgather(torch.full((me + 1, 2), float(rank)),
+                                           name="ps.ag", process_set=mine)
+        got["bcast"] = mpidp.broadcast(torch.full((3,), float(rank)), root_rank=members[-1],
+                                       name="ps.bc", process_set=mine)
+        got["alltoall"] = mpidp.alltoall(torch.full((k,), float(rank)), name="ps.a2a",
+                                         process_set=mine)
+        got["rs"] = mpidp.reducescatter(torch.ones(k * 2, 3), op=mpidp.Sum, name="ps.rs",
+                                        process_set=mine)
+        got["obj"] = mpidp.broadcast_object({"from": rank}, root_rank=members[0],
+                                            process_set=mine)
+        got["objs"] = mpidp.allgather_object(rank, process_set=mine)
+        mpidp.barrier(process_set=mine)
+        return got
+    got = run_all(body)
+    expected_ag = torch.cat([torch.full((i + 1, 2), float(r)) for i, r in enumerate(members)])
+    checks = [
+        torch.equal(got["allgather"], expected_ag),
+        torch.equal(got["bcast"], torch.full((3,), float(members[-1]))),
+        torch.equal(got["alltoall"], torch.tensor([float(r) for r in members])),
+        torch.equal(got["rs"], torch.full((2, 3), float(k))),
+        got["obj"] == {"from": members[0]},
+        got["objs"] == members,
+    ]
+    assert_all(all(checks), f"{checks}")
+
+
+def test_ops_on_a_set_this_rank_is_not_in_are_refused(evens_odds):
+    _, other = _mine(*evens_odds)
+    raises_all(ValueError, mpidp.allreduce, torch.ones(1), process_set=other,
+               match="is not in process set")
+
+
+def test_broadcast_root_outside_the_set_is_refused(evens_odds):
+    mine, other = _mine(*evens_odds)
+    raises_all(ValueError, mpidp.broadcast, torch.ones(1), root_rank=other.ranks[0],
+               process_set=mine, match="root_rank is a global rank and must be a member")
+
+
+def test_alltoall_splits_count_the_set_not_the_world(evens_odds):
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+    if mine.size() == size:
+        pytest.skip("set as large as the world")
+    raises_all(ValueError, mpidp.alltoall, torch.ones(size), splits=[1] * size,
+               process_set=mine, match=f"there are {mine.size()} ranks")
+
+
+def test_sets_and_world_run_concurrently(evens_odds):
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+
+    def body():
+        handles = []
+        for i in range(10):
+            handles.append(mpidp.allreduce_async(torch.full((100,), 1.0), name=f"w.{i}",
+                                                 op=mpidp.Sum))
+            handles.append(mpidp.allreduce_async(torch.full((100,), 1.0), name=f"s.{i}",
+                                                 op=mpidp.Sum, process_set=mine))
+        return [mpidp.synchronize(h)[0].item() for h in handles]
+    vals = run_all(body)
+    assert_all(vals == [float(size), float(mine.size())] * 10, vals)
+
+
+def test_distributed_optimizer_on_a_set(evens_odds):
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                     named_parameters=model.named_parameters(),
+                                     process_set=mine)
+    data = torch.full((3, 4), float(rank))
+
+    def step():
+        opt.zero_grad()
+        model(data).pow(2).sum().backward()
+        opt.step()
+    for _ in range(2):
+        run_all(step)
+    # Members of a set hold identical parameters; the two sets saw different data.
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    views = gather(flat.tolist())
+    same = all(views[r] == views[mine.ranks[0]] for r in mine.ranks)
+    differ = views[0] != views[1]
+    assert_all(same and differ, "set members diverged, or the sets were reduced together")
+
+
+def test_distributed_optimizer_refuses_a_set_this_rank_is_not_in(evens_odds):
+    _, other = _mine(*evens_odds)
+    model = torch.nn.Linear(2, 2)
+    raises_all(ValueError, mpidp.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=1),
+               process_set=other, match="is not in process set")
+
+
+def test_ranks_that_disagree_fail_every_rank():
+    rank, size = _world()
+    ranks = [0, 1] if rank == 0 else [0, size - 1] if size > 2 else [1]
+    raises_all(ValueError, mpidp.add_process_set, ranks, match="ranks disagree")
+
+
+@pytest.mark.parametrize("ranks, match", [([], "at least one"), ([0, 0], "distinct"),
+                                          ([0, 99], "distinct ranks in 0..")])
+def test_bad_rank_lists_are_refused_everywhere(ranks, match):
+    raises_all(ValueError, mpidp.add_process_set, ranks, match=match)
+
+
+def test_duplicate_set_and_global_removal_are_refused():
+    _, size = _world()
+    ps = run_all(mpidp.add_process_set, [1])
+    try:
+        raises_all(ValueError, mpidp.add_process_set, mpidp.ProcessSet([1]),
+                   match="already exists")
+        raises_all(ValueError, mpidp.add_process_set, list(range(size)), match="already exists")
+        raises_all(ValueError, mpidp.remove_process_set, mpidp.global_process_set,
+                   match="cannot be removed")
+    finally:
+        run_all(mpidp.remove_process_set, ps)
+    raises_all(ValueError, mpidp.allreduce, torch.ones(1), process_set=ps,
+               match="not registered")
+
+
+def test_set_from_a_communicator():
+    rank, size = _world()
+    members = list(range(size - 1))
+    comm = MPI.COMM_WORLD.Split(color=0 if rank in members else MPI.UNDEFINED, key=rank)
+    ps = run_all(mpidp.add_process_set, mpidp.ProcessSet(comm))
+    try:
+        assert_all(ps.ranks == members, ps.ranks)
+        if rank in members:
+            out = run_all(mpidp.allreduce, torch.ones(1), op=mpidp.Sum, process_set=ps)
+            ok = out.item() == len(members)
+        else:
+            run_all(lambda: None)  # stays in step with the members' collective assertion
+            ok = True
+        assert_all(ok, "allreduce on a communicator-built set")
+    finally:
+        run_all(mpidp.remove_process_set, ps)
+        if comm != MPI.COMM_NULL:
+            comm.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_pending_op_fails_when_its_set_is_removed():
+    rank, size = _world()
+    ps = run_all(mpidp.add_process_set, [0, 1])
+    err = None
+    if rank == 1:
+        handle = mpidp.allreduce_async(torch.ones(1), name="never.matched", process_set=ps)
+    run_all(mpidp.remove_process_set, ps)
+    if rank == 1:
+        try:
+            mpidp.synchronize(handle)
+        except mpidp.EngineShutdownError as exc:
+            err = str(exc)
+    assert_all(rank != 1 or (err and "shut down" in err), f"pending op after removal: {err}")
+
+
+def test_static_sets_given_to_init():
+    rank, size = _world()
+    mpidp.shutdown()
+    try:
+        first = mpidp.ProcessSet([0, size - 1] if size > 2 else [0])
+        second = mpidp.ProcessSet([1, 2] if size > 2 else [1])
+        run_all(mpidp.init, process_sets=[first, second])
+        ids = (first.process_set_id, second.process_set_id)
+        assert_all(ids == (1, 2), ids)
+
+        def body():
+            sums = []
+            for ps in (first, second):
+                if ps.included():
+                    sums.append((mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name="static",
+                                                 process_set=ps).item(), ps.size()))
+            return sums
+        sums = run_all(body)
+        assert_all(sums and all(a == b for a, b in sums), sums)
+    finally:
+        mpidp.shutdown()
+        mpidp.init()
