@@ -1,4 +1,4 @@
-"""`python -m mpidp doctor`: check MPI, torch and the knobs on every rank, smoke-test the collectives, report."""
+"""`python -m mpidp doctor`: check MPI, torch and the knobs, smoke-test the collectives, report."""
 
 import importlib.metadata
 import os
