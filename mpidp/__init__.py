@@ -17,10 +17,10 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allr
                   grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                   grouped_reducescatter_async, join, poll, reducescatter_async,
                   sparse_allreduce_async, synchronize)
-from .runtime import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
-                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                      shutdown, size)
+from .runtime import init, is_initialized, rank, shutdown, size
+from .topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                       gloo_enabled, is_homogeneous, local_rank, local_size, mpi_built,
+                       mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 
 __version__ = "0.1.0"
 

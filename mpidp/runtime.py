@@ -55,6 +55,7 @@ class _State:
         self.members = {0: _Member(0, self.sets[0], engine, comms.rank)}  # sets this rank is in
         self.next_set_id = 1
         self.set_lock = threading.Lock()
+        self.thread_multiple = False  # MPI runs at MPI_THREAD_MULTIPLE (set by init())
 
     @property
     def engines(self):
@@ -320,6 +321,7 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         homogeneous = len(set(comms.local_sizes)) == 1
         engine = Engine(comms, cfg)
         st = _State(comms, engine, cfg, homogeneous, admin)
+        st.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if process_sets == "dynamic":
             process_sets = []
         for obj in process_sets or []:
@@ -380,75 +382,3 @@ def rank() -> int:
 def size() -> int:
     """Number of ranks in mpidp's world."""
     return state().comms.size
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host (MPI shared-memory split)."""
-    return state().comms.local.Get_rank()
-
-
-def local_size() -> int:
-    """Number of ranks on this host."""
-    return state().comms.local.Get_size()
-
-
-def cross_rank() -> int:
-    """Index of this host among hosts (rank in the cross communicator)."""
-    return state().comms.cross.Get_rank()
-
-
-def cross_size() -> int:
-    """Number of hosts holding a rank with this local rank."""
-    return state().comms.cross.Get_size()
-
-
-def is_homogeneous() -> bool:
-    """True if every host runs the same number of ranks."""
-    return state().homogeneous
-
-
-def mpi_threads_supported() -> bool:
-    """True if MPI runs at MPI_THREAD_MULTIPLE (the user may call MPI beside mpidp's engine)."""
-    state()
-    from mpi4py import MPI
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-
-def mpi_enabled() -> bool:
-    """mpidp always moves host data with MPI."""
-    return True
-
-
-def mpi_built() -> bool:
-    """mpidp is built on MPI (mpi4py)."""
-    return True
-
-
-def gloo_enabled() -> bool:
-    """No gloo data path yet."""
-    return False
-
-
-gloo_built = gloo_enabled
-
-
-def nccl_built() -> bool:
-    """No NCCL data path yet."""
-    return False
-
-
-def cuda_built() -> bool:
-    """No CUDA data path yet: CUDA tensors are refused with a clear error."""
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
