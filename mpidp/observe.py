@@ -9,19 +9,23 @@ from .engine import stats as _stats
 from .engine.timeline import Timeline
 
 def _engine(process_set=None):
-    """The engine serving `process_set` (None or 0: the global set; else a set or its id)."""
+    """The engine serving `process_set` on this rank (None or 0: the global set; else a
+    ProcessSet or its id). The one place that knows how runtime state holds per-set engines."""
     state = runtime.state()
     if process_set is None:
         return state.engine
     set_id = getattr(process_set, "process_set_id", process_set)
-    engines = getattr(state, "engines", None)
-    if engines is None:
-        if set_id != 0:
-            raise ValueError(f"no process set with id {set_id!r}: only the global set (0) exists")
+    if set_id == 0:
         return state.engine
-    if set_id not in engines:
-        raise ValueError(f"no process set with id {set_id!r}; known: {sorted(engines)}")
-    return engines[set_id]
+    members = getattr(state, "members", None)  # process-set id -> this rank's membership
+    if members is not None:
+        member = members.get(set_id)
+        if member is not None:
+            return member.engine
+    engines = getattr(state, "engines", None)
+    if engines is not None and set_id in engines:
+        return engines[set_id]
+    raise ValueError(f"stats: no process set with id {set_id!r} that this rank belongs to")
 
 
 def stats(reset: bool = False, process_set=None) -> dict:
@@ -94,12 +98,14 @@ class StatsWindow:
         backward pass counts too: this is the share of the window the data path was busy, an
         upper bound on what communication cost the step.
         """
-        return self._stopped()["collective_s"] / self.wall_s if self.wall_s > 0 else 0.0
+        seconds = self._stopped()["collective_s"]
+        return seconds / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def negotiate_fraction(self) -> float:
         """Seconds in negotiation (waiting for the slowest rank included) / wall seconds."""
-        return self._stopped()["negotiate_s"] / self.wall_s if self.wall_s > 0 else 0.0
+        seconds = self._stopped()["negotiate_s"]
+        return seconds / self.wall_s if self.wall_s > 0 else 0.0
 
     def __enter__(self) -> "StatsWindow":
         return self.start()

@@ -226,6 +226,8 @@ class Engine:
         # Spin for the peers only while a user thread is blocked on a result: during a backward
         # pass the CPU belongs to the gradients still being computed.
         mpi.allreduce_band(self.comms.control, vec, spin=self.waiters > 0)
+        # The band may wait long for peers: a timeline started meanwhile records from here.
+        tl = self.timeline
         flags = int(~vec[-1])
         if flags & F_SHUTDOWN:
             return False, EngineShutdownError(
