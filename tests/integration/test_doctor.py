@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .launch import ROOT, mpiexec, run
 
 
@@ -74,3 +76,13 @@ def test_doctor_reports_a_lonely_world():
     res = _doctor(1, env={"SLURM_NTASKS": "4"})
     assert res.returncode != 0, res.output
     assert "[FAIL] world: size 1, but SLURM_NTASKS=4" in res.stdout, res.output
+
+
+def test_doctor_reports_a_backend_this_machine_cannot_run():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("NCCL may be usable on a machine with a GPU")
+    res = _doctor(1, env={"MPIDP_BACKEND": "nccl"})
+    assert res.returncode != 0, res.output
+    assert "[FAIL] knobs: MPIDP_BACKEND=nccl, but NCCL is not available here" in res.stdout, \
+        res.output
