@@ -31,22 +31,32 @@ def _parse_bool(text: str) -> bool:
     raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text.strip(), 0)
+    except ValueError:
+        raise ValueError("expected an integer (decimal, or hex with 0x)") from None
+
+
 def _nonneg_int(text: str) -> int:
-    value = int(text.strip(), 0)
+    value = _int(text)
     if value < 0:
         raise ValueError("must be >= 0")
     return value
 
 
 def _pos_int(text: str) -> int:
-    value = int(text.strip(), 0)
+    value = _int(text)
     if value <= 0:
         raise ValueError("must be > 0")
     return value
 
 
 def _nonneg_float(text: str) -> float:
-    value = float(text.strip())
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError("expected a number") from None
     if not 0.0 <= value < float("inf"):  # also rejects nan and inf
         raise ValueError("must be a finite number >= 0")
     return value

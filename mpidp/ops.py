@@ -34,9 +34,9 @@ def _check_tensor(tensor, what: str, inplace: bool) -> torch.Tensor:
     if tensor.dtype not in _DTYPE_NAMES:
         raise TypeError(f"{what}: dtype {tensor.dtype} is not supported; use one of "
                         f"{', '.join(_DTYPE_NAMES.values())}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{what}: tensor is on {tensor.device}, but this build of mpidp moves "
-                         f"host memory only; call .cpu() first")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: tensor is on {tensor.device}, but mpidp moves host memory "
+                         f"and CUDA memory only; call .cpu() first")
     if not tensor.is_contiguous():
         if inplace:
             raise ValueError(f"{what}: in-place ops need a contiguous tensor (this one has "
@@ -44,6 +44,17 @@ def _check_tensor(tensor, what: str, inplace: bool) -> torch.Tensor:
                              f"or use the out-of-place form, which copies")
         tensor = tensor.contiguous()
     return tensor.detach()
+
+
+def _same_device(tensors: List[torch.Tensor], what: str) -> None:
+    """A grouped op runs on one data path: every tensor on the same kind of device (checked
+    after each tensor passed _check_tensor, whose message names the tensor)."""
+    kinds = [t.device.type for t in tensors]
+    if len(set(kinds)) > 1:
+        odd = next(i for i, k in enumerate(kinds) if k != kinds[0])
+        raise ValueError(f"{what}: tensor {odd} is on {tensors[odd].device} but tensor 0 is on "
+                         f"{tensors[0].device}; a grouped op needs all its tensors on one kind of "
+                         f"device (move them with .cpu() or .cuda() first)")
 
 
 def _resolve_op(average, op, what: str) -> ReduceOp:
@@ -130,6 +141,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
         req = _request(label, cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
                        postscale_factor)
         entries.append(_entry(req, t, out))
+    _same_device([e.tensor for e in entries], what)
     return target, entries
 
 
@@ -181,6 +193,7 @@ def _allgather_entries(tensors, name, what, process_set):
         if t.dim() == 0:
             t = t.reshape(1)
         entries.append(_entry(_request(label, cacheable, OpType.ALLGATHER, t), t, None))
+    _same_device([e.tensor for e in entries], what)
     return target, entries
 
 
@@ -238,6 +251,8 @@ def _check_splits(splits, t: torch.Tensor, size: int, what: str) -> np.ndarray:
         arr = splits.detach().cpu().numpy().reshape(-1)
     elif isinstance(splits, (list, tuple, np.ndarray)):
         arr = np.asarray(splits)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)  # numpy makes [] float; the count check below says more
         if arr.dtype.kind not in "iu":
             raise TypeError(f"{what}: splits must be integers, got {list(splits)!r}")
         arr = arr.reshape(-1)
@@ -298,6 +313,7 @@ def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor,
         req = _request(label, cacheable, OpType.REDUCESCATTER, t, reduce_op, prescale_factor,
                        postscale_factor)
         entries.append(_entry(req, t, None))
+    _same_device([e.tensor for e in entries], what)
     return target, entries
 
 
