@@ -1,4 +1,4 @@
-"""Checkpoints that lose nothing: rank-0 atomic save, rank-0 read broadcast to every rank, per-rank RNG.
+"""Checkpoints that lose nothing: rank-0 atomic save, load broadcast from rank 0, per-rank RNG.
 
 `save(path, **state)` stores named values: a `torch.nn.Module` as its `state_dict()`, anything
 else with `state_dict()` and `load_state_dict()` (optimizers, `DistributedOptimizer`, LR

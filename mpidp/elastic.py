@@ -221,8 +221,9 @@ class TorchState(ObjectState):
 
 
 def _check_names(state: State, kwargs: Dict[str, Any]) -> None:
+    own = ("model", "optimizer")
     taken = [name for name in kwargs
-             if name.startswith("_") or name in ("model", "optimizer") or hasattr(type(state), name)]
+             if name.startswith("_") or name in own or hasattr(type(state), name)]
     if taken:
         raise ValueError(f"{type(state).__name__}: the names {taken} are its own attributes or "
                          f"methods; choose other names")

@@ -1,4 +1,4 @@
-"""mpidp.elastic under MPI: commit/restore/sync of states, persisted commits with run, ElasticSampler."""
+"""mpidp.elastic under MPI: commit/restore/sync, persisted commits with run, ElasticSampler."""
 
 import os
 

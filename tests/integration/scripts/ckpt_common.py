@@ -1,4 +1,4 @@
-"""Shared pieces of the checkpoint and elastic fault scripts: a job whose every step uses all RNGs."""
+"""Shared by the checkpoint and elastic fault scripts: a job whose every step uses every RNG."""
 
 import random
 
