@@ -4,8 +4,9 @@ from .collectives import (allgather, allreduce, allreduce_, alltoall, broadcast,
                           grouped_allgather, grouped_allreduce, grouped_allreduce_,
                           grouped_reducescatter, reducescatter)
 from .compression import Compression
-from .errors import (CollectiveError, ConfigError, EngineShutdownError, HorovodInternalError,
-                     MismatchError, MpidpError, NotInitializedError, OpTimeoutError)
+from .errors import (CheckpointError, CheckpointNotFoundError, CollectiveError, ConfigError,
+                     EngineShutdownError, HorovodInternalError, MismatchError, MpidpError,
+                     NotInitializedError, OpTimeoutError)
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, check_replicas)
 from .optimizer import DistributedOptimizer
@@ -21,6 +22,8 @@ from .runtime import init, is_initialized, rank, shutdown, size
 from .topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                        gloo_enabled, is_homogeneous, local_rank, local_size, mpi_built,
                        mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+
+from . import checkpoint, elastic  # noqa: E402 (submodules as attributes: mpidp.checkpoint.save)
 
 __version__ = "0.1.0"
 

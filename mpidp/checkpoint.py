@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import functions, ops, runtime
-from .errors import MpidpError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .log import logger
 
 FORMAT = "mpidp.checkpoint/1"
@@ -38,14 +38,6 @@ RESERVED = ("restore_rng",)  # load() options; save() refuses them as names
 _VALUE, _MODULE, _STATEFUL = "value", "module", "stateful"
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device,
           torch.Size)
-
-
-class CheckpointError(MpidpError):
-    """Saving or loading a checkpoint failed; raised on every rank with rank 0's reason."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """load(): there is no checkpoint at the path (rank 0 looked); raised on every rank."""
 
 
 # ---- RNG states, as types torch.load(weights_only=True) accepts ----

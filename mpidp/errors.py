@@ -31,3 +31,11 @@ class OpTimeoutError(CollectiveError, TimeoutError):
 
 # Horovod's name for a failed collective; scripts catch it in their elastic loops.
 HorovodInternalError = CollectiveError
+
+
+class CheckpointError(MpidpError):
+    """Saving or loading a checkpoint failed; raised on every rank with rank 0's reason."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """load(): there is no checkpoint at the path (rank 0 looked); raised on every rank."""
