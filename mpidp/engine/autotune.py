@@ -126,6 +126,15 @@ class Sampler:
         if self.tuner.done:
             logger.info("autotune: nothing to tune (every tunable knob was set explicitly)")
 
+    @property
+    def done(self) -> bool:
+        """The search has ended (the best parameters are in force or on their way)."""
+        return self.tuner.done
+
+    @property
+    def best(self) -> Dict[str, object]:
+        return dict(self.tuner.best)
+
     def _write(self, kind: str, params: Dict[str, object], score: float, now: float) -> None:
         if self._log is not None:
             self._csv.writerow([f"{now - self._t0:.3f}", kind,

@@ -65,9 +65,10 @@ class Engine:
         self.fusion_threshold_bytes = config.fusion_threshold_bytes
         self.fuse_below_bytes = config.fuse_below_bytes
         self.cycle_time_ms = config.cycle_time_ms
-        self.tuner = autotune.Sampler(config, self.params()) \
+        self.sampler = autotune.Sampler(config, self.params()) \
             if config.autotune and self.rank == 0 else None
         self._tune = None  # parameters rank 0 sends at the next coordinator cycle
+        self.switches: List[tuple] = []  # (cycle, parameters) of every autotune switch
         self.timeline: Optional[Timeline] = None  # rank 0 only; swapped by start/stop_timeline
         if config.timeline_path and set_id == 0 and self.rank == 0:
             try:
@@ -151,8 +152,8 @@ class Engine:
         self._fail_all(reason)
         if self.timeline is not None:
             self.timeline.close()
-        if self.tuner is not None:
-            self.tuner.close()
+        if self.sampler is not None:
+            self.sampler.close()
         if clean:
             self.comms.free()
 
@@ -212,9 +213,9 @@ class Engine:
             flags |= F_JOINED
         if self.pending and self.stall.should_raise(self._oldest_age()):
             flags |= F_STALL
-        if self.tuner is not None:
+        if self.sampler is not None:
             if self._tune is None:
-                self._tune = self.tuner.poll(st.bytes, bool(self.pending))
+                self._tune = self.sampler.poll(st.bytes, bool(self.pending))
             if self._tune is not None:
                 flags |= F_TUNE
         vec = np.empty(2 * words + 1, dtype=np.uint64)
@@ -316,7 +317,10 @@ class Engine:
     def _set_params(self, params: dict) -> None:
         for field, value in params.items():
             setattr(self, field, value)
-        logger.debug("autotune: switched to %s", params)
+        # Cycles run in lockstep (one band per cycle), so the count names the same cycle on
+        # every rank.
+        self.switches.append((self.stats.cycles, dict(params)))
+        logger.debug("autotune: switched to %s at cycle %d", params, self.stats.cycles)
 
     def _complete(self, entry: Optional[Entry], result=None, error=None) -> None:
         if entry is not None:
