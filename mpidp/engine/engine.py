@@ -223,7 +223,7 @@ class Engine:
         vec[words:2 * words] = ~_pack_bits(self.invalid, words)
         vec[-1] = ~np.uint64(flags)
         self.invalid = set()
-        negotiating = time.monotonic()
+        st.begin_negotiation(time.monotonic())
         # Spin for the peers only while a user thread is blocked on a result: during a backward
         # pass the CPU belongs to the gradients still being computed.
         mpi.allreduce_band(self.comms.control, vec, spin=self.waiters > 0)
@@ -254,7 +254,7 @@ class Engine:
             if tl is not None and slow:
                 tl.negotiated(slow, time.monotonic(), "coordinator")
             responses.extend(slow)
-        st.negotiate_s += time.monotonic() - negotiating
+        st.end_negotiation(time.monotonic())
         stop = None
         if responses and responses[-1].op == OpType.SHUTDOWN:
             stop = EngineShutdownError(responses.pop().error)
@@ -363,6 +363,7 @@ class Engine:
             op = batch[0].op
             nbytes = 0 if op == OpType.BARRIER else self._batch_bytes(batch)
             began = time.monotonic()
+            self.stats.begin_batch(began)
             try:
                 results = self.backend.execute(batch, entries)
             except Exception as exc:  # a bad buffer fails its ops, not the engine

@@ -17,8 +17,10 @@ KEYS = {
     "tensors": "tensors those collectives carried (joined ranks' zeros included)",
     "tensors_per_collective": "tensors / collectives (0.0 before the first)",
     "bytes": "payload bytes of those tensors (each rank's own input; allgather: this rank's part)",
-    "negotiate_s": "seconds in negotiation calls, waiting for peers included",
-    "collective_s": "seconds in the data path (pack, MPI call, unpack, scaling)",
+    "negotiate_s": "seconds in negotiation calls, waiting for peers included (the one in "
+                   "progress too)",
+    "collective_s": "seconds in the data path (pack, MPI call, unpack, scaling; the batch in "
+                    "progress too)",
     "wall_s": "seconds since the counters started (init() or the last reset)",
     "by_op": "per op kind ('allreduce', ...): {'collectives', 'tensors', 'bytes'}",
 }
@@ -30,7 +32,7 @@ class EngineStats:
     straddle one cycle)."""
 
     __slots__ = ("cycles", "slow_cycles", "cache_hits", "cache_misses", "collectives",
-                 "fused_collectives", "tensors", "bytes", "negotiate_s", "collective_s",
+                 "fused_collectives", "tensors", "bytes", "negotiate", "collective",
                  "op_collectives", "op_tensors", "op_bytes", "started", "baseline")
 
     def __init__(self):
@@ -42,23 +44,36 @@ class EngineStats:
         self.fused_collectives = 0
         self.tensors = 0
         self.bytes = 0
-        self.negotiate_s = 0.0
-        self.collective_s = 0.0
+        # (seconds so far, start of the one in progress or 0.0), replaced whole so a reader
+        # on another thread sees both halves of one moment: a window then counts only the
+        # part of a long negotiation (an engine waiting for peers) that falls inside it.
+        self.negotiate = (0.0, 0.0)
+        self.collective = (0.0, 0.0)
         # Indexed by OpType: a list index costs less than a dict update per batch.
         self.op_collectives = [0] * len(OpType)
         self.op_tensors = [0] * len(OpType)
         self.op_bytes = [0] * len(OpType)
-        self.started = time.perf_counter()
+        self.started = time.monotonic()
         self.baseline = None  # set by mpidp.stats(reset=True) on the user's side
+
+    def begin_negotiation(self, now: float) -> None:
+        self.negotiate = (self.negotiate[0], now)
+
+    def end_negotiation(self, now: float) -> None:
+        total, since = self.negotiate
+        self.negotiate = (total + now - since, 0.0)
+
+    def begin_batch(self, now: float) -> None:
+        self.collective = (self.collective[0], now)
 
     def batch(self, op: int, tensors: int, nbytes: int, seconds: float) -> None:
         """One data-path call of `tensors` tensors and `nbytes` bytes took `seconds`."""
+        self.collective = (self.collective[0] + seconds, 0.0)
         self.collectives += 1
         if tensors > 1:
             self.fused_collectives += 1
         self.tensors += tensors
         self.bytes += nbytes
-        self.collective_s += seconds
         self.op_collectives[op] += 1
         self.op_tensors[op] += tensors
         self.op_bytes[op] += nbytes
@@ -71,6 +86,10 @@ class EngineStats:
                 by_op[OP_NAMES[op]] = {"collectives": self.op_collectives[op],
                                        "tensors": self.op_tensors[op],
                                        "bytes": self.op_bytes[op]}
+        now = time.monotonic()
+        spent = []
+        for total, since in (self.negotiate, self.collective):
+            spent.append(total + (now - since if since else 0.0))
         collectives = self.collectives
         tensors = self.tensors
         return {
@@ -83,9 +102,9 @@ class EngineStats:
             "tensors": tensors,
             "tensors_per_collective": tensors / collectives if collectives else 0.0,
             "bytes": self.bytes,
-            "negotiate_s": self.negotiate_s,
-            "collective_s": self.collective_s,
-            "wall_s": time.perf_counter() - self.started,
+            "negotiate_s": spent[0],
+            "collective_s": spent[1],
+            "wall_s": now - self.started,
             "by_op": by_op,
         }
 

@@ -39,7 +39,8 @@ def test_difference_counts_only_what_happened_in_between():
     st.batch(OpType.ALLREDUCE, 2, 200, 0.5)
     st.batch(OpType.BROADCAST, 1, 8, 0.25)
     st.cycles, st.cache_hits, st.cache_misses = 13, 6, 1
-    st.negotiate_s = 2.0
+    st.begin_negotiation(5.0)
+    st.end_negotiation(7.0)
     diff = stats.difference(st.snapshot(), before)
     assert diff["cycles"] == 3
     assert diff["cache_hits"] == 2 and diff["cache_misses"] == 1
@@ -78,3 +79,23 @@ def test_batch_bytes_remembers_sizes_per_response_object():
     # Same name, new response (the tensor's shape changed): measured again.
     a2 = Response("a", OpType.ALLREDUCE, Request("a", OpType.ALLREDUCE, "int8", (5,)))
     assert count([a2]) == 5 and calls == ["a", "b", "a"]
+
+
+def test_time_in_progress_counts_up_to_the_snapshot(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(stats.time, "monotonic", lambda: clock[0])
+    st = stats.EngineStats()
+    st.begin_negotiation(100.0)
+    clock[0] = 103.0
+    assert st.snapshot()["negotiate_s"] == 3.0  # still waiting for peers
+    before = st.snapshot()
+    clock[0] = 104.0
+    st.end_negotiation(104.0)
+    st.begin_batch(104.0)
+    clock[0] = 104.5
+    diff = stats.difference(st.snapshot(), before)
+    # The window from 103 to 104.5 holds 1 s of negotiation and 0.5 s of an unfinished batch.
+    assert diff["negotiate_s"] == 1.0 and diff["collective_s"] == 0.5 and diff["wall_s"] == 1.5
+    st.batch(OpType.ALLREDUCE, 1, 4, 0.75)
+    clock[0] = 110.0
+    assert st.snapshot()["collective_s"] == 0.75
