@@ -13,6 +13,13 @@ untimed ones) with mpidp.DistributedOptimizer, and once more per round with no w
                    communication that overlaps the backward pass counting only for what it
                    delays. Noise can push it slightly below 0 when communication costs little.
 
+and, from mpidp's stats_window() (mpidp.observe) around rank 0's timed steps (mpidp's own counters):
+
+    engine_busy    time the engine spent in collectives / wall time: the share of the step the
+                   data path was busy, overlapped or not (an upper bound on comm_fraction)
+    MB_per_step    bytes reduced per step (the gradients; the same for every size)
+    tensors/coll   gradients carried per collective: how much fusion the size allowed
+
 What S sets. mpidp has two fusion knobs (mpidp/config.py, mpidp/engine/fusion.py): allreduces
 ready in the same engine cycle and smaller than `fuse_below_bytes` are packed into buffers of at
 most `fusion_threshold_bytes`; larger ones are reduced alone, in place (in `chunk_bytes` pieces).
@@ -35,7 +42,7 @@ median over --rounds rounds. A round's time for a setting is the slowest rank's 
 optimizer hooks of one setting never see the next).
 
 Rank 0 prints a table and writes the CSV (fusion_bytes, step_ms, samples_per_s, comm_fraction,
-ranks) and a PNG plot (step time and communication fraction against fusion size, log x axis).
+ranks, engine_busy, bytes_per_step, tensors_per_collective) and a PNG plot (step time and communication fraction against fusion size, log x axis).
 """
 
 import argparse
@@ -52,6 +59,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpidp
+from mpidp import observe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_benchmark import cpu_count, resnet18  # noqa: E402  (the same ResNet-18)
@@ -155,7 +163,8 @@ def init_engine(size_bytes, args):
 
 
 def measure(setting, args, initial_state, data, target):
-    """Seconds per step on this rank for one setting: a fusion size, or None (no communication)."""
+    """(seconds per step on this rank, mpidp's counters over the timed steps or None) for one
+    setting: a fusion size, or None (no communication)."""
     if setting is not None:
         init_engine(setting, args)
     model, _, _ = build(args)
@@ -174,20 +183,29 @@ def measure(setting, args, initial_state, data, target):
         step()
     gc.collect()  # frees the previous setting's model now rather than during the timed steps
     mpidp.barrier()  # every rank starts timing together
+    window = observe.stats_window().start() if setting is not None else None
     began = time.perf_counter()
     for _ in range(args.steps):
         step()
-    return (time.perf_counter() - began) / args.steps
+    seconds = (time.perf_counter() - began) / args.steps
+    if window is None:
+        return seconds, None
+    counts = window.stop()
+    return seconds, {"engine_busy": window.comm_fraction,
+                     "bytes_per_step": counts["bytes"] / args.steps,
+                     "tensors_per_collective": counts["tensors_per_collective"]}
 
 
 def write_csv(path, rows):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["fusion_bytes", "step_ms", "samples_per_s", "comm_fraction", "ranks"])
+        writer.writerow(["fusion_bytes", "step_ms", "samples_per_s", "comm_fraction", "ranks",
+                         "engine_busy", "bytes_per_step", "tensors_per_collective"])
         for r in rows:
             writer.writerow([r["fusion_bytes"], f"{r['step_ms']:.3f}", f"{r['samples_per_s']:.2f}",
-                             f"{r['comm_fraction']:.4f}", r["ranks"]])
+                             f"{r['comm_fraction']:.4f}", r["ranks"], f"{r['engine_busy']:.4f}",
+                             f"{r['bytes_per_step']:.0f}", f"{r['tensors_per_collective']:.2f}"])
 
 
 def plot(path, rows, nocomm_ms, title):
@@ -264,11 +282,15 @@ def main():
     gc.collect()
     gc.freeze()
     times = {s: [] for s in settings}  # this rank's seconds per step, one entry per round
+    counters = {s: [] for s in args.sizes}  # this rank's engine counters, one per round
     began = time.perf_counter()
     for rnd in range(args.rounds):
         shift = rnd % len(settings)
         for setting in settings[shift:] + settings[:shift]:
-            times[setting].append(measure(setting, args, initial_state, data, target))
+            seconds, counts = measure(setting, args, initial_state, data, target)
+            times[setting].append(seconds)
+            if counts is not None:
+                counters[setting].append(counts)
         if rank == 0:
             print(f"round {rnd + 1}/{args.rounds} done ({time.perf_counter() - began:.0f} s)",
                   flush=True)
@@ -287,19 +309,24 @@ def main():
     rows = []
     for s in args.sizes:
         step_ms = median_ms(s)
-        rows.append({"fusion_bytes": s, "step_ms": step_ms,
-                     "samples_per_s": args.batch_size * size / (step_ms / 1e3),
-                     "comm_fraction": 1.0 - nocomm_ms / step_ms, "ranks": size})
+        row = {"fusion_bytes": s, "step_ms": step_ms,
+               "samples_per_s": args.batch_size * size / (step_ms / 1e3),
+               "comm_fraction": 1.0 - nocomm_ms / step_ms, "ranks": size}
+        for key in ("engine_busy", "bytes_per_step", "tensors_per_collective"):
+            row[key] = statistics.median(c[key] for c in counters[s])  # rank 0's engine
+        rows.append(row)
 
     print(f"no communication: {nocomm_ms:.1f} ms/step "
           f"({args.batch_size * size / (nocomm_ms / 1e3):.1f} samples/s)")
     print(f"{'fusion':>8} {'fusable':>14} {'step ms':>9} {'samples/s':>10} "
-          f"{'comm fraction':>14}")
+          f"{'comm fraction':>14} {'engine_busy':>11} {'MB_per_step':>11} {'tensors/coll':>12}")
     for r in rows:
         s = r["fusion_bytes"]
         fusable = sum(1 for g in grads if g < s)
         print(f"{human(s) if s else 'off':>8} {fusable:>8} of {len(grads):<3} {r['step_ms']:>9.1f} "
-              f"{r['samples_per_s']:>10.1f} {r['comm_fraction']:>14.3f}")
+              f"{r['samples_per_s']:>10.1f} {r['comm_fraction']:>14.3f} "
+              f"{r['engine_busy']:>11.3f} {r['bytes_per_step'] / 1e6:>11.1f} "
+              f"{r['tensors_per_collective']:>12.1f}")
     best = min(rows, key=lambda r: r["step_ms"])
     print(f"fastest: {human(best['fusion_bytes']) if best['fusion_bytes'] else 'off'} "
           f"({best['step_ms']:.1f} ms/step)")
