@@ -2,7 +2,16 @@
 
     mpiexec -n 2 python benchmarks/scaling_model.py measure --label shm [--json FILE]
     python benchmarks/scaling_model.py predict [--measured shm=FILE ...] [--fabric NAME=US,GBPS ...]
-                                       [--out benchmarks/results/scaling_model.png]
+                                       [--out benchmarks/results/scaling_model.png]  (and .csv)
+
+As run for BENCHMARKS.md (tests/run_tcp_env.sh forces MPI onto TCP between the two ranks):
+    mpiexec -n 2 python benchmarks/scaling_model.py measure --label shm --repeats 25 \
+        --json benchmarks/results/scaling_model.alpha_beta_shm.json
+    tests/run_tcp_env.sh mpiexec -n 2 python benchmarks/scaling_model.py measure --label tcp \
+        --repeats 25 --json benchmarks/results/scaling_model.alpha_beta_tcp.json
+    python benchmarks/scaling_model.py predict \
+        --measured here-shm=benchmarks/results/scaling_model.alpha_beta_shm.json \
+        --measured here-tcp=benchmarks/results/scaling_model.alpha_beta_tcp.json
 
 measure (np=2): the time (minimum of --repeats samples; medians are kept too) of a blocking
 float32 Sum allreduce over message sizes, through mpidp (`mpidp.allreduce`) and through raw
@@ -214,8 +223,8 @@ def measure(sizes, repeats: int, min_time: float) -> dict:
     for n in sizes:
         tensor = torch.ones(max(n // 4, 1), dtype=torch.float32)
         array = tensor.numpy()
-        iters = 1
         for contender in ("mpi4py", "mpidp"):
+            iters = 1
             call = ((lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM))
                     if contender == "mpi4py" else
                     (lambda: mpidp.allreduce(tensor, name=f"sm.{n}", op=mpidp.Sum)))
