@@ -8,8 +8,10 @@ point's score is the median of its next `samples` samples, which shrugs off a no
 
 Coordinate search: starting from the configured values, each tuned knob in turn is set to each of
 its candidates (the others held at the best values so far), and keeps its best candidate; points
-already measured are not measured again. Then the best point overall is kept for good. With the
-default candidates that is at most 14 points.
+already measured are not measured again. Then, if the best point is not the start point, the two
+are rematched in alternation (CONFIRM_ROUNDS turns each), and the winner of the rematch is kept
+for good: a point that won the search only because the machine was quiet while it ran does
+not replace the hand-set values. With the default candidates that is at most 14 + 4 points.
 
 `Sampler` is the engine's side on rank 0: it cuts the traffic into samples of `sample_s` seconds,
 feeds the tuner and writes the CSV log. Agreement is the engine's job: it forces a coordinator
@@ -25,6 +27,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..log import logger
 
 KiB, MiB = 1024, 1024 * 1024
+# Turns in which the search's winner and the start point are measured again, alternately, before
+# the winner replaces the start (0: trust the search).
+CONFIRM_ROUNDS = 2
 
 # Knobs autotune may change, with their candidates (start values are added to these).
 SPACE: Dict[str, Tuple] = {
@@ -50,10 +55,11 @@ class Tuner:
     """Coordinate search over `space` from `start`; call `record(score)` once per sample."""
 
     def __init__(self, start: Dict[str, object], space: Dict[str, Sequence],
-                 warmup: int, samples: int):
-        if samples < 1 or warmup < 0:
-            raise ValueError("need samples >= 1 and warmup >= 0")
-        self.warmup, self.samples = warmup, samples
+                 warmup: int, samples: int, confirm: int = CONFIRM_ROUNDS):
+        if samples < 1 or warmup < 0 or confirm < 0:
+            raise ValueError("need samples >= 1, warmup >= 0 and confirm >= 0")
+        self.warmup, self.samples, self.confirm = warmup, samples, confirm
+        self.start = dict(start)
         self.order = [k for k in space if len(space[k]) > 1]
         self.space = {k: list(space[k]) for k in self.order}
         self.current = dict(start)
@@ -65,6 +71,9 @@ class Tuner:
         self._knob = -1
         self.skip = warmup
         self._pending: List[float] = []
+        self.confirming = False
+        self._rematch: List[Dict[str, object]] = []
+        self.rematch: Dict[tuple, List[float]] = {}  # start and best -> their rematch medians
 
     def _key(self, point: Dict[str, object]) -> tuple:
         return tuple(point[k] for k in sorted(point))
@@ -94,18 +103,42 @@ class Tuner:
             return None
         median = statistics.median(self._pending)
         self._pending = []
-        self.scores[self._key(self.current)] = median
-        if self.best_score is None or median > self.best_score:
-            self.best, self.best_score = dict(self.current), median
-        nxt = self._next_point()
-        if nxt is None:
-            self.done = True
-            nxt = self.best
+        if self.confirming:
+            nxt = self._rematch_step(median)
+        else:
+            self.scores[self._key(self.current)] = median
+            if self.best_score is None or median > self.best_score:
+                self.best, self.best_score = dict(self.current), median
+            nxt = self._next_point()
+            if nxt is None and self.confirm and self.best != self.start:
+                # The search's points were measured minutes apart, under whatever load the
+                # machine had then: before leaving the start point, rematch the two in turns.
+                self.confirming = True
+                self._rematch = [self.best, self.start] * self.confirm
+                self.rematch = {self._key(self.best): [], self._key(self.start): []}
+                nxt = self._rematch.pop(0)  # may be the current point: then no switch
+            elif nxt is None:
+                self.done = True
+                nxt = self.best
         if nxt == self.current:
             return None
         self.current = dict(nxt)
         self.skip = self.warmup
         return dict(nxt)
+
+
+    def _rematch_step(self, median: float) -> Dict[str, object]:
+        self.rematch[self._key(self.current)].append(median)
+        if self._rematch:
+            return self._rematch.pop(0)
+        self.done = True
+        best = statistics.median(self.rematch[self._key(self.best)])
+        start = statistics.median(self.rematch[self._key(self.start)])
+        if start >= best:
+            self.best, self.best_score = dict(self.start), start
+        else:
+            self.best_score = best
+        return self.best
 
 
 class Sampler:
@@ -161,7 +194,8 @@ class Sampler:
         if moved == 0:
             return None  # no traffic in the window: the program paused, not the knobs' fault
         score = moved / elapsed
-        kind = "warmup" if self.tuner.skip > 0 else "sample"
+        kind = "warmup" if self.tuner.skip > 0 else \
+            ("rematch" if self.tuner.confirming else "sample")
         self._write(kind, self.tuner.current, score, now)
         switch = self.tuner.record(score)
         if self.tuner.done:

@@ -25,7 +25,7 @@ def test_finds_the_best_point_of_a_separable_score():
     space = {"a": [1, 2, 3, 4], "b": [10, 20, 30]}
     best = {"a": 3, "b": 10}
     score = lambda p: -abs(p["a"] - best["a"]) - abs(p["b"] - best["b"]) / 10  # noqa: E731
-    tuner = autotune.Tuner({"a": 1, "b": 30}, space, warmup=0, samples=1)
+    tuner = autotune.Tuner({"a": 1, "b": 30}, space, warmup=0, samples=1, confirm=0)
     switches = run_search(tuner, score)
     assert tuner.best == best and tuner.current == best
     assert switches[-1] == best
@@ -35,7 +35,7 @@ def test_finds_the_best_point_of_a_separable_score():
 
 def test_warmup_samples_are_dropped_and_the_median_scores_a_point():
     space = {"a": [1, 2]}
-    tuner = autotune.Tuner({"a": 1}, space, warmup=2, samples=3)
+    tuner = autotune.Tuner({"a": 1}, space, warmup=2, samples=3, confirm=0)
     # Two warm-up samples (ignored, however bad), then 3 samples: median 5.
     for value in (-100.0, -100.0, 5.0, 1000.0):
         assert tuner.record(value) is None
@@ -50,7 +50,7 @@ def test_warmup_samples_are_dropped_and_the_median_scores_a_point():
 
 
 def test_a_worse_last_point_switches_back_to_the_best():
-    tuner = autotune.Tuner({"a": 1}, {"a": [1, 2]}, warmup=0, samples=1)
+    tuner = autotune.Tuner({"a": 1}, {"a": [1, 2]}, warmup=0, samples=1, confirm=0)
     assert tuner.record(10.0) == {"a": 2}
     assert tuner.record(3.0) == {"a": 1}
     assert tuner.done and tuner.current == {"a": 1}
@@ -62,6 +62,39 @@ def test_nothing_to_tune_is_done_at_once():
     assert tuner.done and tuner.record(1.0) is None
     with pytest.raises(ValueError):
         autotune.Tuner({"a": 1}, {"a": [1, 2]}, warmup=0, samples=0)
+    with pytest.raises(ValueError):
+        autotune.Tuner({"a": 1}, {"a": [1, 2]}, warmup=0, samples=1, confirm=-1)
+
+
+def test_rematch_keeps_the_start_when_the_winner_was_a_lucky_moment():
+    tuner = autotune.Tuner({"a": 1}, {"a": [1, 2, 3]}, warmup=0, samples=1, confirm=2)
+    assert tuner.record(10.0) == {"a": 2}
+    assert tuner.record(50.0) == {"a": 3}   # a quiet moment makes a=2 look 5x better
+    assert tuner.record(9.0) == {"a": 2}    # search over: rematch a=2 against a=1 in turns
+    assert not tuner.done and tuner.confirming
+    assert tuner.record(10.0) == {"a": 1}
+    assert tuner.record(11.0) == {"a": 2}
+    assert tuner.record(9.5) == {"a": 1}
+    assert tuner.record(10.5) is None and tuner.done   # already there: no switch needed
+    assert tuner.current == {"a": 1} and tuner.best == {"a": 1}
+    assert tuner.rematch == {(2,): [10.0, 9.5], (1,): [11.0, 10.5]}
+
+
+def test_rematch_confirms_a_real_improvement_starting_on_the_winner():
+    tuner = autotune.Tuner({"a": 1}, {"a": [1, 2]}, warmup=1, samples=1, confirm=2)
+    tuner.record(0.0)                            # warm-up
+    assert tuner.record(10.0) == {"a": 2}
+    tuner.record(0.0)
+    # a=2 wins and is the current point: the rematch begins there, with no switch.
+    assert tuner.record(20.0) is None and tuner.confirming
+    assert tuner.record(19.0) == {"a": 1}
+    tuner.record(0.0)
+    assert tuner.record(10.0) == {"a": 2}
+    tuner.record(0.0)
+    assert tuner.record(21.0) == {"a": 1}
+    tuner.record(0.0)
+    assert tuner.record(9.0) == {"a": 2} and tuner.done
+    assert tuner.best == {"a": 2} and tuner.best_score == 20.0
 
 
 def test_search_space_leaves_explicit_knobs_alone_and_includes_start_values():
