@@ -5,22 +5,22 @@ from . import runtime
 
 def local_rank() -> int:
     """Rank among the processes on this host (MPI shared-memory split, or simulated nodes)."""
-    return runtime.state().comms.local.Get_rank()
+    return runtime.state().local_rank
 
 
 def local_size() -> int:
     """Number of ranks on this host."""
-    return runtime.state().comms.local.Get_size()
+    return runtime.state().local_size
 
 
 def cross_rank() -> int:
     """Index of this host among hosts (rank in the cross communicator)."""
-    return runtime.state().comms.cross.Get_rank()
+    return runtime.state().cross_rank
 
 
 def cross_size() -> int:
     """Number of hosts holding a rank with this local rank."""
-    return runtime.state().comms.cross.Get_size()
+    return runtime.state().cross_size
 
 
 def is_homogeneous() -> bool:

@@ -44,10 +44,17 @@ def test_queries_match_comm_world():
     world = MPI.COMM_WORLD
     r, n = world.Get_rank(), world.Get_size()
     got = {q: getattr(mpidp, q)() for q in QUERIES}
+    # What MPI itself says shares memory (one host here, or one rank a "host" when MPICH is
+    # forced onto TCP with MPIR_CVAR_NOLOCAL).
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=r)
+    nodes = world.Split(color=node.Get_rank(), key=r)
     want = {"rank": r, "size": n,
-            "local_rank": r, "local_size": n,  # one host here
-            "cross_rank": 0, "cross_size": 1, "is_homogeneous": True,
+            "local_rank": node.Get_rank(), "local_size": node.Get_size(),
+            "cross_rank": nodes.Get_rank(), "cross_size": nodes.Get_size(),
+            "is_homogeneous": len(set(world.allgather(node.Get_size()))) == 1,
             "mpi_threads_supported": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
+    nodes.Free()
+    node.Free()
     k = mpidp.runtime.state().config.simulated_local_size
     if k:  # MPIDP_SIMULATED_LOCAL_SIZE: nodes of k consecutive ranks, the last one maybe short
         want.update(local_rank=r % k, local_size=min(k, n - (r // k) * k), cross_rank=r // k,
