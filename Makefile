@@ -1,8 +1,9 @@
 # mpidp developer Makefile.
 #
 #   make, make venv          .venv with torch (CPU pin) first, then dev deps, then `pip install -e .`
-#   make test                unit, then mpi at NPS world sizes, then integration; summary at the end
-#   make test-unit | test-mpi | test-integration
+#   make test                unit, mpi at NPS world sizes, variants (gloo, hierarchical, TCP),
+#                            then integration; summary at the end
+#   make test-unit | test-mpi | test-variants | test-integration
 #   make run                 2-rank demo: mpiexec -n 2 python examples/train.py
 #   make bench               benchmarks/allreduce.py at np=2
 #   make clean | distclean   build junk | build junk and .venv
@@ -31,7 +32,7 @@ export NPS
 STAMP := $(VENV)/.installed$(if $(wildcard mpidp/__init__.py),,-nopkg)
 PIP   := $(BIN)/python -m pip
 
-.PHONY: venv test test-unit test-mpi test-integration run bench clean distclean
+.PHONY: venv test test-unit test-mpi test-variants test-integration run bench clean distclean
 
 venv: $(STAMP)
 
@@ -49,13 +50,16 @@ $(STAMP): setup.cfg pyproject.toml requirements-torch.txt requirements-dev.txt
 	@touch "$@"
 
 test: $(STAMP)
-	bash tests/run_suite.sh unit mpi integration
+	bash tests/run_suite.sh unit mpi variants integration
 
 test-unit: $(STAMP)
 	bash tests/run_suite.sh unit
 
 test-mpi: $(STAMP)
 	bash tests/run_suite.sh mpi
+
+test-variants: $(STAMP)
+	bash tests/run_suite.sh variants
 
 test-integration: $(STAMP)
 	bash tests/run_suite.sh integration

@@ -2,11 +2,14 @@
 # Runs mpidp's test stages, every one of them even after a failure, then prints one summary
 # line per stage and exits non-zero if any stage failed.
 #
-#   tests/run_suite.sh [unit] [mpi] [integration]      (no argument: all three, in that order)
+#   tests/run_suite.sh [unit] [mpi] [variants] [integration]   (no argument: all, in that order)
 #
 # Stages:
 #   unit         python -m pytest tests/unit                        (single process)
 #   mpi          mpiexec -n N python -m pytest --with-mpi tests/mpi  for each N in $NPS
+#   variants     the collective suite ($VARIANT_TESTS) again on other data paths and transports:
+#                MPIDP_BACKEND=gloo at n=3, hierarchical allreduce over simulated 2-rank nodes at
+#                n=4, and MPICH forced onto TCP (tests/run_tcp_env.sh) at n=3
 #   integration  python -m pytest tests/integration                 (tests launch mpiexec themselves)
 #
 # Environment knobs:
@@ -112,6 +115,27 @@ stage_mpi() {
     done
 }
 
+VARIANT_TESTS="${VARIANT_TESTS:-tests/mpi/test_allreduce.py tests/mpi/test_other_collectives.py \
+tests/mpi/test_async_order.py tests/mpi/test_mismatch.py tests/mpi/test_join_barrier.py \
+tests/mpi/test_autograd.py tests/mpi/test_optimizer.py tests/mpi/test_process_sets.py \
+tests/mpi/test_backends.py tests/mpi/test_hierarchical.py}"
+
+stage_variants() {
+    local pytest_mpi=(python -m pytest --with-mpi -p no:cacheprovider -q --timeout=120
+                      --timeout-method=thread)
+    # shellcheck disable=SC2086  # VARIANT_TESTS is a list of paths
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MPIDP_BACKEND=gloo \
+        run_stage "gloo-np3" 3 "$MPI_TIMEOUT" mpiexec -n 3 "${pytest_mpi[@]}" $VARIANT_TESTS
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MPIDP_HIERARCHICAL_ALLREDUCE=1 \
+        MPIDP_SIMULATED_LOCAL_SIZE=2 \
+        run_stage "hier-np4" 4 "$MPI_TIMEOUT" mpiexec -n 4 "${pytest_mpi[@]}" $VARIANT_TESTS
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+        run_stage "tcp-np3" 3 "$MPI_TIMEOUT" bash tests/run_tcp_env.sh \
+        mpiexec -n 3 "${pytest_mpi[@]}" $VARIANT_TESTS
+}
+
 stage_integration() {
     if ! has_tests tests/integration; then
         record integration SKIP "no test files in tests/integration"
@@ -122,7 +146,7 @@ stage_integration() {
 }
 
 stages=("$@")
-if [[ ${#stages[@]} -eq 0 ]]; then stages=(unit mpi integration); fi
+if [[ ${#stages[@]} -eq 0 ]]; then stages=(unit mpi variants integration); fi
 
 echo "python:  $(command -v python) ($(python -V 2>&1))"
 echo "mpiexec: $(command -v mpiexec || echo 'NOT FOUND')"
@@ -132,8 +156,9 @@ for stage in "${stages[@]}"; do
     case "$stage" in
         unit) stage_unit ;;
         mpi) stage_mpi ;;
+        variants) stage_variants ;;
         integration) stage_integration ;;
-        *) echo "run_suite.sh: unknown stage '$stage' (want unit, mpi, integration)" >&2; exit 2 ;;
+        *) echo "run_suite.sh: unknown stage '$stage' (want unit, mpi, variants, integration)" >&2; exit 2 ;;
     esac
 done
 
