@@ -4,8 +4,8 @@
 
 The data set ships inside scikit-learn (1,797 8x8 images), so nothing is downloaded. Each rank
 trains on its shard (DistributedSampler, reshuffled every epoch with set_epoch); gradients are
-averaged by mpidp.DistributedOptimizer; rank 0 prints progress, writes a checkpoint after every
-epoch and, with --resume, continues from it.
+averaged by mpidp.DistributedOptimizer; rank 0 prints progress; mpidp.checkpoint writes a
+checkpoint after every epoch and, with --resume, continues from it.
 """
 
 import argparse
@@ -69,15 +69,6 @@ def evaluate(model, loader):
     return (counts[0] / counts[1]).item()
 
 
-def save_checkpoint(path, model, optimizer, epoch):
-    """Rank 0 writes atomically: a crash mid-save leaves the previous checkpoint intact."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "epoch": epoch}, tmp)
-    os.replace(tmp, path)
-
-
 def main():
     args = parse_args()
     mpidp.init()
@@ -96,12 +87,12 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
 
     start_epoch = 0
-    if args.resume and rank == 0 and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"]
-    start_epoch = mpidp.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
+    if args.resume:
+        try:  # rank 0 reads, every rank gets the model, optimizer state and its own RNG states
+            start_epoch = mpidp.checkpoint.load(args.checkpoint, model=model,
+                                                optimizer=optimizer)["epoch"]
+        except mpidp.CheckpointNotFoundError:  # raised on every rank alike
+            pass
     # Every rank starts from rank 0's weights and optimizer state (fresh or resumed).
     mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
     mpidp.broadcast_optimizer_state(optimizer, root_rank=0, model=model)
@@ -126,8 +117,10 @@ def main():
                                     len(y)])
         totals = mpidp.allreduce(totals, op=mpidp.Sum, name="train.totals")
         test_acc = evaluate(model, test_loader)
+        os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
+        # Collective; rank 0 writes atomically, so a crash mid-save keeps the previous one.
+        mpidp.checkpoint.save(args.checkpoint, model=model, optimizer=optimizer, epoch=epoch + 1)
         if rank == 0:
-            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1)
             print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
                   f"train acc {totals[1] / totals[2]:.4f}  test acc {test_acc:.4f}  "
                   f"({time.perf_counter() - began:.2f} s)", flush=True)
