@@ -9,6 +9,7 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CollectiveError, 
                      NotInitializedError, OpTimeoutError)
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, check_replicas)
+from .observe import start_timeline, stats, stats_window, stop_timeline
 from .optimizer import DistributedOptimizer
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
