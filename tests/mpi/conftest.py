@@ -38,3 +38,9 @@ def _unnamed_counter():
     """How many unnamed ops this rank has numbered (mpidp internals; None if not available)."""
     from mpidp import runtime
     return getattr(runtime.state(), "_noname", None)
+
+
+@pytest.fixture
+def shared_dir(tmp_path):
+    """Rank 0's temporary directory, on every rank (each rank's own tmp_path differs)."""
+    return gather(str(tmp_path))[0]

@@ -12,12 +12,6 @@ from mpi_util import assert_all, gather, raises_all, run_all
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def shared_dir(tmp_path):
-    """Rank 0's temporary directory, on every rank."""
-    return gather(str(tmp_path))[0]
-
-
 def _model(seed):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
