@@ -83,7 +83,8 @@ def test_bucket_sweep_writes_csv_and_png(tmp_path):
     with open(csv_path, newline="") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames == ["fusion_bytes", "step_ms", "samples_per_s",
-                                     "comm_fraction", "ranks"]
+                                     "comm_fraction", "ranks", "engine_busy", "bytes_per_step",
+                                     "tensors_per_collective"]
         rows = list(reader)
     assert [int(r["fusion_bytes"]) for r in rows] == sizes, rows
     for r in rows:
@@ -93,6 +94,12 @@ def test_bucket_sweep_writes_csv_and_png(tmp_path):
         # samples/s is batch x ranks over the step time (up to the CSV's rounding).
         assert rate == pytest.approx(batch * 2 / (step_ms / 1e3), rel=1e-3), r
         assert COMM_FRACTION_FLOOR <= frac < 1, r
+        # From mpidp.stats(): the engine's share of the step, the gradient bytes of the MLP
+        # (3 hidden 256x256 layers and a 10-way output: 199,946 float32), tensors per collective.
+        assert 0 <= float(r["engine_busy"]) <= 1, r
+        assert int(r["bytes_per_step"]) == 199_946 * 4, r
+        per = float(r["tensors_per_collective"])
+        assert per == 1.0 if int(r["fusion_bytes"]) == 0 else 1.0 <= per <= 8.0, r
 
     data = png_path.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 1000, data[:16]
