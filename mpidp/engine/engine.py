@@ -155,7 +155,19 @@ class Engine:
         if self.sampler is not None:
             self.sampler.close()
         if clean:
+            try:
+                self.backend.close()  # gloo/NCCL process groups; nothing for MPI
+            except Exception:  # freeing the communicators below matters more
+                logger.error("closing the data path failed:\n%s", traceback.format_exc())
             self.comms.free()
+
+    def _stop_reason(self) -> str:
+        if self.set_id:
+            return (f"process set {self.set_id} was removed (a member called "
+                    f"mpidp.remove_process_set() or mpidp.shutdown()) while this op was pending "
+                    f"or after; add the set again on every rank to continue")
+        return ("mpidp was shut down (a rank called mpidp.shutdown()) while this op was pending; "
+                "call mpidp.init() again on every rank to continue")
 
     def _fail_all(self, reason: BaseException) -> None:
         leftovers = self.queue.close(reason)
@@ -231,9 +243,7 @@ class Engine:
         tl = self.timeline
         flags = int(~vec[-1])
         if flags & F_SHUTDOWN:
-            return False, EngineShutdownError(
-                "mpidp was shut down (a rank called mpidp.shutdown()) while this op was pending; "
-                "call mpidp.init() again on every rank to continue")
+            return False, EngineShutdownError(self._stop_reason())
         invalid = _unpack_bits(~vec[words:2 * words])
         for bit in invalid:
             self.cache.evict(int(bit))

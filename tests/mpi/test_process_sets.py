@@ -225,20 +225,44 @@ def test_set_from_a_communicator():
             comm.Free()
 
 
-@pytest.mark.mpi(min_size=3)
+@pytest.mark.mpi(min_size=3)  # at 2 ranks the set [0, 1] would be the global set
 def test_pending_op_fails_when_its_set_is_removed():
     rank, size = _world()
     ps = run_all(mpidp.add_process_set, [0, 1])
-    err = None
-    if rank == 1:
-        handle = mpidp.allreduce_async(torch.ones(1), name="never.matched", process_set=ps)
+    sid = ps.process_set_id
+    handle = run_all(lambda: mpidp.allreduce_async(torch.ones(1), name="never.matched",
+                                                   process_set=ps) if rank == 1 else None)
+    # Only once rank 1's op is in flight may the others remove the set (which stops its engine).
+    gather(None)
     run_all(mpidp.remove_process_set, ps)
+    err = None
     if rank == 1:
         try:
             mpidp.synchronize(handle)
         except mpidp.EngineShutdownError as exc:
             err = str(exc)
-    assert_all(rank != 1 or (err and "shut down" in err), f"pending op after removal: {err}")
+    assert_all(rank != 1 or (err and f"process set {sid} was removed" in err),
+               f"pending op after removal: {err}")
+
+
+@pytest.mark.mpi(min_size=3)  # at 2 ranks the set [0, 1] would be the global set
+def test_op_on_a_set_removed_by_another_member_says_so():
+    rank, size = _world()
+    ps = run_all(mpidp.add_process_set, [0, 1])
+    sid = ps.process_set_id
+    if rank == 0:
+        mpidp.remove_process_set(ps)  # rank 0 first: the set's engine stops on rank 1 too
+    gather(None)
+    err = None
+    if rank == 1:  # rank 0 never submits it: the op can only fail, at submission or pending
+        try:
+            mpidp.synchronize(mpidp.allreduce_async(torch.ones(1), name="late",
+                                                    process_set=ps))
+        except mpidp.EngineShutdownError as exc:
+            err = str(exc)
+    if rank != 0:
+        mpidp.remove_process_set(ps)
+    assert_all(rank != 1 or (err and f"process set {sid} was removed" in err), err)
 
 
 def test_static_sets_given_to_init():

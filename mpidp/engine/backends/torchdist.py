@@ -192,9 +192,8 @@ class ProcessGroupBackend(HostBackend):
 
     def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
         """Run one batch; see HostBackend.execute. Synchronization: the process group's calls."""
-        if batch[0].op == OpType.BARRIER:
-            self.group.barrier().wait()
-            return [None]
+        # A barrier needs no data: negotiation already waited for every rank, and a joined
+        # rank (whose engine skips the barrier) must not be waited for here.
         return super().execute(batch, entries)
 
 
