@@ -45,6 +45,18 @@ class Dispatch:
         self.routes = routes  # device kind -> backend
         self.names = names    # device kind -> human-readable path name (logs, doctor)
 
+    @property
+    def timeline_mark(self):
+        return getattr(next(iter(self.routes.values()), None), "timeline_mark", None)
+
+    @timeline_mark.setter
+    def timeline_mark(self, mark) -> None:
+        """The engine's phase recorder (None: no timeline), handed to every path underneath."""
+        for backend in self.routes.values():
+            while hasattr(backend, "inner"):
+                backend = backend.inner
+            backend.timeline_mark = mark
+
     def execute(self, batch: List, entries: List) -> list:
         """Run one batch on its device's path. Synchronization: that path's collectives."""
         kind = batch[0].request.device.split(":")[0] if batch[0].request else "cpu"

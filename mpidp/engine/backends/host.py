@@ -93,6 +93,7 @@ class HostBackend:
         self.config = config
         self._fusion = {}  # (dtype, device) -> persistent fusion buffer, grown on demand
         self.hierarchical = self._hierarchy_usable(comms, config)
+        self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
 
     def close(self) -> None:
         """Nothing to release: the communicators belong to Comms."""
@@ -172,10 +173,16 @@ class HostBackend:
             work = src.to(wide or dtype, copy=True)
             if req.prescale != 1.0:
                 work.mul_(req.prescale)
+            if self.timeline_mark:
+                self.timeline_mark("pack")
             self._reduce_flat(None, work.view(-1), req)
+            if self.timeline_mark:
+                self.timeline_mark("mpi")
             out.copy_(work)
             return out
         self._reduce_flat(None if out is src else src.reshape(-1), out.view(-1), req)
+        if self.timeline_mark:
+            self.timeline_mark("mpi")
         return out
 
     def allreduce_fused(self, batch: List[Response], entries: List[Optional[Entry]]):
@@ -198,7 +205,11 @@ class HostBackend:
             buf.copy_(torch.cat(flat))
         if req.prescale != 1.0:
             buf.mul_(req.prescale)
+        if self.timeline_mark:
+            self.timeline_mark("pack")
         self._reduce_flat(None, buf, req)
+        if self.timeline_mark:
+            self.timeline_mark("mpi")
         outs = [e.output if e is not None
                 else torch.empty(r.request.shape, dtype=dtype, device=device)
                 for e, r in zip(entries, batch)]
