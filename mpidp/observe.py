@@ -5,27 +5,15 @@ import time
 from typing import Optional
 
 from . import runtime
+from .process_sets import member_of
 from .engine import stats as _stats
 from .engine.timeline import Timeline
 
+
 def _engine(process_set=None):
-    """The engine serving `process_set` on this rank (None or 0: the global set; else a
-    ProcessSet or its id). The one place that knows how runtime state holds per-set engines."""
-    state = runtime.state()
-    if process_set is None:
-        return state.engine
-    set_id = getattr(process_set, "process_set_id", process_set)
-    if set_id == 0:
-        return state.engine
-    members = getattr(state, "members", None)  # process-set id -> this rank's membership
-    if members is not None:
-        member = members.get(set_id)
-        if member is not None:
-            return member.engine
-    engines = getattr(state, "engines", None)
-    if engines is not None and set_id in engines:
-        return engines[set_id]
-    raise ValueError(f"stats: no process set with id {set_id!r} that this rank belongs to")
+    """The engine serving `process_set` on this rank (None: the global set; a ProcessSet or its
+    id otherwise); ValueError if this rank is not a member."""
+    return member_of(process_set, "stats")[1].engine
 
 
 def stats(reset: bool = False, process_set=None) -> dict:

@@ -147,6 +147,15 @@ def test_sets_and_world_run_concurrently(evens_odds):
     assert_all(vals == [float(size), float(mine.size())] * 10, vals)
 
 
+def test_each_set_keeps_its_own_stats(evens_odds):
+    mine, other = _mine(*evens_odds)
+    before = run_all(mpidp.stats, process_set=mine)["collectives"]
+    run_all(mpidp.allreduce, torch.ones(3), name="ps.stats", process_set=mine)
+    after = mpidp.stats(process_set=mine)["collectives"]
+    assert_all(after == before + 1, f"set collectives {before} -> {after}")
+    raises_all(ValueError, mpidp.stats, process_set=other, match="is not in process set")
+
+
 def test_distributed_optimizer_on_a_set(evens_odds):
     rank, size = _world()
     mine, _ = _mine(*evens_odds)
