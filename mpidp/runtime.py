@@ -5,6 +5,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Optional
 
@@ -101,6 +102,7 @@ def _warn_lonely_world(size: int) -> None:
 
 
 _previous_excepthook = None
+_ABORT_GRACE_S = 0.3
 
 
 def _abort_on_uncaught(exc_type, exc, tb) -> None:
@@ -122,6 +124,9 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
             stream.flush()
         except Exception:  # a closed stream must not stop the abort
             pass
+    # The launcher forwards output through pipes it stops reading once it tears the job down:
+    # give it a moment to pass these lines on, or the job ends without saying why.
+    time.sleep(_ABORT_GRACE_S)
     # Without this, the other ranks would wait in their next collective for this one forever.
     # MPICH's Abort returns to the caller while the launcher tears the job down: leave now.
     world.Abort(1)
