@@ -378,7 +378,7 @@ def report(res):
     print("# knobs: " + ", ".join(f"{k}={v}" for k, v in cfg.items()
                                   if k in ("fusion_threshold_bytes", "fuse_below_bytes",
                                            "chunk_bytes", "cycle_time_ms",
-                                           "idle_backoff_max_ms")))
+                                           "bucket_bytes")))
     labels = ["mpidp", "raw_per_tensor", "raw_fused", "raw_fused_4M", "raw_hybrid",
               "raw_chunk_4M"]
     head = f"{'case':>10} " + " ".join(f"{l:>14}" for l in labels) + \

@@ -37,7 +37,7 @@ SWEEPS = {
                   {"MPIDP_FUSE_BELOW_BYTES": 128 * MB}),
     "chunk": ("MPIDP_CHUNK_BYTES", [MB, 4 * MB, 16 * MB, 0], "data", {}),
     "cycle": ("MPIDP_CYCLE_TIME_MS", [0, 0.5, 1], "cycle", {}),
-    "backoff": ("MPIDP_IDLE_BACKOFF_MAX_MS", [5, 20, 50, 100], "idle", {}),
+    "bucket": ("MPIDP_BUCKET_BYTES", [MB, 4 * MB, 25 * MB, 0], "data", {}),
 }
 MODE_ARGS = {
     "data": ["--sizes", "16M,64M", "--skip-latency", "--skip-idle"],

@@ -1,11 +1,23 @@
 """Blocking collectives, differentiable where Horovod's are (allreduce, allgather, broadcast, ...)."""
 
+import functools
+
 import torch
 
 from . import ops, runtime
 from .compression import Compression
 from .ops import Average
 from .process_sets import member_of
+
+
+def _blocking(fn):
+    """The call synchronizes what it submits: submissions leave the engine thread asleep and
+    synchronize() runs the cycles on the caller's thread if the engine is idle."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with ops.blocking():
+            return fn(*args, **kwargs)
+    return call
 
 
 def _wants_grad(tensor) -> bool:
@@ -126,6 +138,7 @@ def _even_splits(tensor, ps):
     return [tensor.shape[0] // n] * n
 
 
+@_blocking
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce `tensor` across ranks into a new tensor; differentiable.
@@ -142,6 +155,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(out, ctx)
 
 
+@_blocking
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """Reduce `tensor` in place across ranks; returns it. Synchronization: blocks (see allreduce)."""
@@ -149,6 +163,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                                                 postscale_factor, process_set))
 
 
+@_blocking
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce a list of tensors, submitted atomically; returns new tensors; differentiable.
@@ -165,6 +180,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, wire)]
 
 
+@_blocking
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=None):
     """In-place form of grouped_allreduce. Blocks."""
@@ -173,6 +189,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                         process_set))
 
 
+@_blocking
 def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's tensor along dim 0 (dim 0 may differ); differentiable. Blocks."""
     if _wants_grad(tensor):
@@ -180,12 +197,14 @@ def allgather(tensor, name=None, process_set=None):
     return ops.synchronize(ops.allgather_async(tensor, name=name, process_set=process_set))
 
 
+@_blocking
 def grouped_allgather(tensors, name=None, process_set=None):
     """Allgather a list, submitted atomically. Blocks."""
     return ops.synchronize(ops.grouped_allgather_async(tensors, name=name,
                                                        process_set=process_set))
 
 
+@_blocking
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """Copy of global rank `root_rank`'s tensor on every rank; input untouched; differentiable.
     Synchronization: blocks until every rank (of the set) has submitted `name`."""
@@ -195,12 +214,14 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
                                                process_set=process_set))
 
 
+@_blocking
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with global rank `root_rank`'s; returns it. Blocks."""
     return ops.synchronize(ops.broadcast_async_(tensor, root_rank, name=name,
                                                 process_set=process_set))
 
 
+@_blocking
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """Send splits[i] rows to rank i (of the set); returns the received rows, plus the received
     splits when `splits` is given; differentiable. Blocks."""
@@ -211,6 +232,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
                                               process_set=process_set))
 
 
+@_blocking
 def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                   process_set=None):
     """Reduce across ranks and keep this rank's rows of dim 0; differentiable. Blocks."""
@@ -223,6 +245,7 @@ def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_
                                                    process_set=process_set))
 
 
+@_blocking
 def grouped_reducescatter(tensors, name=None, op=Average, prescale_factor=1.0,
                           postscale_factor=1.0, process_set=None):
     """Reduce-scatter a list, submitted atomically. Blocks."""

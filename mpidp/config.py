@@ -100,11 +100,10 @@ KNOBS: Tuple[Knob, ...] = (
          "Shortest time between the starts of two engine cycles while work flows. 0 (Horovod: "
          "1 ms) because the cycle wakes on submission: a fixed wait adds directly to the latency "
          "of every blocking op.", horovod="HOROVOD_CYCLE_TIME"),
-    Knob("idle_backoff_max_ms", "MPIDP_IDLE_BACKOFF_MAX_MS", _nonneg_float, 50.0,
-         "An idle engine sleeps between cycles, doubling up to this many ms: 0.8 % of a core "
-         "at 50 against 5.9 % at 5 (BENCHMARKS.md). A submission wakes the local engine at "
-         "once, and a peer's engine wakes on its own submission of the same op, so this adds "
-         "no latency to ops every rank submits."),
+    Knob("bucket_bytes", "MPIDP_BUCKET_BYTES", _nonneg_int, 25 * MiB,
+         "DistributedOptimizer groups gradients, in reverse order of the parameters, into "
+         "buckets of at most this many bytes; a bucket is one op (one negotiation, one handle) "
+         "submitted when its last gradient is ready. 0: one op per parameter.", ),
     Knob("cache_capacity", "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
          "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
          horovod="HOROVOD_CACHE_CAPACITY"),
@@ -177,7 +176,7 @@ class Config:
     fuse_below_bytes: int
     chunk_bytes: int
     cycle_time_ms: float
-    idle_backoff_max_ms: float
+    bucket_bytes: int
     cache_capacity: int
     stall_warning_s: float
     stall_shutdown_s: float

@@ -1,5 +1,7 @@
 """Asynchronous collectives on torch tensors: validate, enqueue, return a handle; poll and synchronize."""
 
+import contextlib
+import threading
 import warnings
 from typing import List, Optional
 
@@ -8,7 +10,6 @@ import torch
 
 from . import runtime
 from .process_sets import member_of
-from .engine.handles import Handle
 from .engine.messages import JOIN_NAME, OpType, ReduceOp, Request
 from .engine.tensor_queue import Entry
 
@@ -102,6 +103,21 @@ def _request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=
                    cacheable)
 
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def blocking():
+    """Inside, submissions do not wake the engine thread: the caller is about to synchronize()
+    and will run the engine's cycles itself if it is idle (Engine.drive)."""
+    before = getattr(_local, "blocking", False)
+    _local.blocking = True
+    try:
+        yield
+    finally:
+        _local.blocking = before
+
+
 def _submit(target, entries: List[Entry], finish) -> int:
     state, member = target
     first = entries[0].request if entries else None
@@ -110,39 +126,64 @@ def _submit(target, entries: List[Entry], finish) -> int:
         # numbering that matches unnamed ops across ranks.
         number = member.auto_name()
         for entry in entries:
-            name = entry.request.name.replace(_UNNAMED, number, 1)
-            entry.request = entry.request._replace(name=name)
-            entry.handle.name = name
-    member.engine.submit(entries)
-    return state.handles.register([e.handle for e in entries], finish, member.engine)
+            entry.rename(entry.request.name.replace(_UNNAMED, number, 1))
+    member.engine.submit(entries, notify=not getattr(_local, "blocking", False))
+    return state.handles.register(entries, finish, member.engine)
 
 
 def _entry(request, tensor, output, extra=None) -> Entry:
-    return Entry(request, tensor, output, Handle(request.name), extra)
+    return Entry(request, tensor, output, extra)
 
 
 def _first(results):
     return results[0]
 
 
+def _only(results):
+    return results[0][0]
+
+
 # ---- allreduce ----
 
 def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, inplace,
                        process_set, what="allreduce"):
+    """One op for the whole list when its tensors share dtype and device (the data path packs
+    the small ones and reduces large ones in place), else one op per tensor."""
     target = member_of(process_set, what)
     reduce_op = _resolve_op(average, op, what)
     base, cacheable = _name(name, what)
-    entries = []
+    checked, outs = [], []
     for i, tensor in enumerate(tensors):
         label = base if len(tensors) == 1 and what == "allreduce" else f"{base}.{i}"
         t = _check_tensor(tensor, f"{what} {label!r}", inplace)
         _check_reduction(t, reduce_op, prescale_factor, postscale_factor, f"{what} {label!r}")
-        out = t if inplace else torch.empty_like(t)
-        req = _request(label, cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
-                       postscale_factor)
-        entries.append(_entry(req, t, out))
-    _same_device([e.tensor for e in entries], what)
-    return target, entries
+        checked.append(t)
+        outs.append(t if inplace else torch.empty_like(t))
+    _same_device(checked, what)
+    if not checked:
+        return target, []
+    if what == "allreduce" or len({t.dtype for t in checked}) > 1:
+        entries = []
+        for i, (t, out) in enumerate(zip(checked, outs)):
+            label = base if what == "allreduce" else f"{base}.{i}"
+            req = _request(label, cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
+                           postscale_factor)
+            entries.append(_entry(req, [t], [out]))
+        return target, entries
+    req = _parts_request(base, cacheable, checked, reduce_op, prescale_factor, postscale_factor)
+    return target, [_entry(req, checked, outs)]
+
+
+def _parts_request(name, cacheable, tensors, reduce_op, pre, post) -> Request:
+    """The request of one allreduce op over several tensors of one dtype and device (a plain
+    single-tensor request for one, which may then be fused with other small ops)."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return _request(name, cacheable, OpType.ALLREDUCE, first, reduce_op, pre, post)
+    return Request(name, int(OpType.ALLREDUCE), _DTYPE_NAMES[first.dtype],
+                   (sum(t.numel() for t in tensors),), str(first.device), int(reduce_op),
+                   float(pre), float(post), -1, cacheable,
+                   parts=tuple(tuple(t.shape) for t in tensors))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -151,7 +192,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     synchronize(handle), which blocks until every rank has submitted the same name."""
     target, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
                                         postscale_factor, False, process_set)
-    return _submit(target, entries, _first)
+    return _submit(target, entries, _only)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -162,13 +203,17 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     return _submit(target, entries, lambda results: tensor)
 
 
+def _flatten(results):
+    return [t for outs in results for t in outs]
+
+
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None) -> int:
     """Start allreduces of a list, submitted atomically; synchronize() returns a list."""
     target, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
                                         postscale_factor, False, process_set,
                                         "grouped_allreduce")
-    return _submit(target, entries, list)
+    return _submit(target, entries, _flatten)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -179,6 +224,15 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                                         postscale_factor, True, process_set,
                                         "grouped_allreduce")
     return _submit(target, entries, lambda results: tensors)
+
+
+def bucket_allreduce_async_(request: Request, tensors: List[torch.Tensor], process_set=None,
+                            cache_key=None) -> int:
+    """Start an in-place allreduce of `tensors` under a request built earlier (by
+    _parts_request, from tensors of these shapes and dtype): the training layer's path for a
+    gradient bucket, which skips the per-tensor checks its first submission made."""
+    target = member_of(process_set, "DistributedOptimizer")
+    return _submit(target, [Entry(request, tensors, tensors, None, cache_key)], _first)
 
 
 # ---- allgather ----
@@ -340,7 +394,8 @@ def barrier(process_set=None) -> None:
     """Block until every rank (of the set) has called barrier(). Synchronization: those ranks."""
     target = member_of(process_set, "barrier")
     req = Request(target[1].auto_name(), int(OpType.BARRIER), cacheable=False)
-    synchronize(_submit(target, [_entry(req, None, None)], _first))
+    with blocking():
+        synchronize(_submit(target, [_entry(req, None, None)], _first))
 
 
 def join(device: int = -1) -> int:
@@ -349,7 +404,8 @@ def join(device: int = -1) -> int:
     target = member_of(None, "join")
     state = target[0]
     req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False, serial=state.unnamed_count())
-    last, serial = synchronize(_submit(target, [_entry(req, None, None)], _first))
+    with blocking():
+        last, serial = synchronize(_submit(target, [_entry(req, None, None)], _first))
     # Ranks that kept going numbered unnamed ops (barriers, allreduces) the joined ranks did not;
     # all continue from the highest count so later unnamed ops match again.
     state.resume_names(serial)
@@ -368,7 +424,10 @@ def synchronize(handle: int, timeout: Optional[float] = None):
     state = runtime.state()
     if state.handles.poll(handle):
         return state.handles.wait(handle)
-    with (state.handles.owner(handle) or state.engine).user_waiting():
+    engine = state.handles.owner(handle) or state.engine
+    with engine.user_waiting():
+        if timeout is None:  # a driving thread cannot give up half-way through a cycle
+            engine.drive(state.handles.members(handle))
         return state.handles.wait(handle, timeout)
 
 

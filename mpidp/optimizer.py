@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import ops
+from . import ops, runtime
 from .process_sets import member_of
 from .compression import Compression
 from .ops import Average, Sum
@@ -31,6 +31,55 @@ def _named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
                          f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
                          f"the named_parameters of the whole model the optimizer was built on")
     return {p: by_param[p] for p in params}
+
+
+class _Bucket:
+    """Parameters whose gradients are reduced as one op, the same on every rank."""
+
+    __slots__ = ("name", "params", "ready", "handle", "wires", "ctxs", "request", "cache_key",
+                 "dtype")
+
+    def __init__(self, name: str, params: List[torch.nn.Parameter]):
+        self.name = name
+        self.params = params
+        self.ready = 0          # parameters whose gradient is ready this step
+        self.handle = None      # while in flight
+        self.wires, self.ctxs = (), ()
+        self.request = self.cache_key = self.dtype = None  # kept from the first submission
+
+
+def _make_buckets(trained, names, groups, cap: int) -> List[_Bucket]:
+    """Buckets of `trained` parameters: the user's groups as they are; the rest in reverse
+    order (gradients become ready roughly from the last layer back, as in DDP), one bucket per
+    dtype and device filled up to `cap` bytes (0: one parameter per bucket)."""
+    out, loose = [], []
+    by_group: Dict[int, List[torch.nn.Parameter]] = {}
+    for p in trained:
+        gid = groups.get(p)
+        if gid is None:
+            loose.append(p)
+        else:
+            by_group.setdefault(gid, []).append(p)
+    for members in by_group.values():
+        out.append(members)
+    open_: Dict[tuple, List] = {}
+    size: Dict[tuple, int] = {}
+    for p in reversed(loose):
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        members = open_.get(key)
+        if members is None or not cap or size[key] + nbytes > cap:
+            members = open_[key] = []
+            size[key] = 0
+            out.append(members)
+        members.append(p)
+        size[key] += nbytes
+    buckets = []
+    for members in out:
+        first = names[members[0]]
+        name = first if len(members) == 1 else f"{first}+{len(members) - 1}"
+        buckets.append(_Bucket(name, members))
+    return buckets
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -68,19 +117,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = sparse_as_dense
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
-        self._groups = self._make_groups(num_groups, groups)
-        self._members: Dict[int, List[torch.nn.Parameter]] = {}
-        for p, gid in self._groups.items():
-            self._members.setdefault(gid, []).append(p)
+        # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
+        trained = [p for p in self._names if p.requires_grad]
+        self._buckets = _make_buckets(trained, self._names, self._make_groups(num_groups, groups),
+                                      runtime.state().config.bucket_bytes)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._passes: Dict[torch.nn.Parameter, int] = {}
-        self._handles: Dict[torch.nn.Parameter, tuple] = {}
-        self._ready: Dict[int, List[torch.nn.Parameter]] = {}
         self._synchronized = False
         self._should_sync = True
         self._counting = True
         self._warned_double_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook)
-                       for p in self._names]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in trained]
 
     # ---- attribute pass-through ----
 
@@ -136,6 +183,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return {p: i // per for i, p in enumerate(params)}
         return {}
 
+    def _in_flight(self) -> bool:
+        return any(b.handle is not None for b in self._buckets)
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """How many backward passes accumulate before a gradient is reduced."""
         if not isinstance(passes, int) or passes < 1:
@@ -143,21 +193,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = passes
 
     def _hook(self, p) -> None:
-        if not self._counting or p in self._handles:
+        if not self._counting:
             return
         count = self._passes.get(p, 0) + 1
         self._passes[p] = count
         if count < self._passes_per_step:
             return
-        gid = self._groups.get(p)
-        if gid is None:
-            self._submit([p])
-            return
-        ready = self._ready.setdefault(gid, [])
-        ready.append(p)
-        if len(ready) == sum(q.requires_grad for q in self._members[gid]):
-            del self._ready[gid]
-            self._submit(ready)
+        bucket = self._bucket_of[p]
+        if count > self._passes_per_step or bucket.handle is not None:
+            raise RuntimeError(
+                f"DistributedOptimizer: parameter {self._names[p]!r} got a gradient from "
+                f"another backward pass after its gradient was submitted for reduction (after "
+                f"{self._passes_per_step} backward pass(es) and before optimizer.step()). Call "
+                f"optimizer.step() or optimizer.synchronize() before the next backward pass, or "
+                f"accumulate passes with DistributedOptimizer(backward_passes_per_step=N)")
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._submit(bucket)
 
     def _grad_of(self, p) -> torch.Tensor:
         if p.grad is None:
@@ -170,64 +222,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
         return p.grad
 
-    def _submit(self, params) -> None:
-        size = self._set_size
+    def _submit(self, bucket: "_Bucket") -> None:
+        """One op for the whole bucket. The first submission goes through the checked path and
+        its request is kept; later ones reuse it while the gradients still fit it."""
         op = Sum if self._op == Average else self._op
-        post = self._post_factor / size if self._op == Average else 1.0
-        wires = []
-        for p in params:
+        post = self._post_factor / self._set_size if self._op == Average else 1.0
+        wires, ctxs = [], []
+        for p in bucket.params:
             wire, ctx = self._compression.compress(self._grad_of(p))
-            wires.append((p, wire, ctx))
-        if len(wires) == 1:
-            p, wire, ctx = wires[0]
-            handle = ops.allreduce_async_(wire, name=self._names[p], op=op,
-                                          prescale_factor=self._pre, postscale_factor=post,
-                                          process_set=self._process_set)
-            self._handles[p] = (handle, wire, ctx, None)
+            wires.append(wire)
+            ctxs.append(ctx)
+        bucket.wires, bucket.ctxs = wires, ctxs
+        req = bucket.request
+        if req is not None and all(w.dtype is bucket.dtype and w.is_contiguous()
+                                   for w in wires):
+            bucket.handle = ops.bucket_allreduce_async_(req, wires, self._process_set,
+                                                        bucket.cache_key)
             return
-        handle = ops.grouped_allreduce_async_([w for _, w, _ in wires],
-                                              name=self._names[wires[0][0]] + ".group", op=op,
-                                              prescale_factor=self._pre, postscale_factor=post,
-                                              process_set=self._process_set)
-        for i, (p, wire, ctx) in enumerate(wires):
-            self._handles[p] = (handle, wire, ctx, i)
+        bucket.handle = ops.grouped_allreduce_async_(
+            wires, name=bucket.name, op=op, prescale_factor=self._pre, postscale_factor=post,
+            process_set=self._process_set)
+        members = runtime.state().handles.members(bucket.handle)
+        if len(members) == 1:  # one dtype: remember the checked request for the next steps
+            bucket.request, bucket.cache_key = members[0].request, members[0].cache_key
+            bucket.dtype = wires[0].dtype
 
     # ---- user-facing steps ----
 
     def synchronize(self) -> None:
-        """Wait until every gradient is reduced; submit any that were not (zeros if unused).
+        """Wait until every gradient is reduced; submit any bucket that was not (zeros for
+        parameters that got no gradient on this rank).
 
-        Synchronization: blocks until every rank has submitted the same gradients.
+        Synchronization: blocks until every rank has submitted the same buckets.
         """
-        for gid, ready in list(self._ready.items()):
-            del self._ready[gid]
-            self._submit(ready)
-        missing = [p for p in self._names if p.requires_grad and p not in self._handles]
-        if missing:
-            self._submit_groups(missing)
-        done = {}
+        for bucket in self._buckets:
+            if bucket.handle is None:
+                self._submit(bucket)
         try:
-            for p, (handle, wire, ctx, index) in self._handles.items():
-                if handle not in done:
-                    done[handle] = ops.synchronize(handle)
-                out = done[handle] if index is None else done[handle][index]
-                if ctx is not None or out is not p.grad:
-                    p.grad.copy_(self._compression.decompress(out, ctx))
+            for bucket in self._buckets:
+                handle, bucket.handle = bucket.handle, None
+                ops.synchronize(handle)
+                for p, wire, ctx in zip(bucket.params, bucket.wires, bucket.ctxs):
+                    if ctx is not None or wire is not p.grad:
+                        p.grad.copy_(self._compression.decompress(wire, ctx))
         finally:
-            self._handles.clear()
+            for bucket in self._buckets:
+                bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
             self._passes.clear()
         self._synchronized = True
-
-    def _submit_groups(self, params) -> None:
-        by_group: Dict[Optional[int], List] = {}
-        for p in params:
-            by_group.setdefault(self._groups.get(p), []).append(p)
-        for gid, members in by_group.items():
-            if gid is None:
-                for p in members:
-                    self._submit([p])
-            else:
-                self._submit(members)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -250,7 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer."""
         if self._should_sync:
-            if self._synchronized and not self._handles and not self._warned_double_sync:
+            if self._synchronized and not self._in_flight() and not self._warned_double_sync:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
                               "`with optimizer.skip_synchronize():`; gradients are reduced a "
                               "second time", UserWarning, stacklevel=2)
@@ -261,7 +303,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; refuses while reductions are in flight (call step() first)."""
-        if self._handles:
+        if self._in_flight():
             raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
                              "before optimizer.step() or optimizer.synchronize(); gradients "
                              "are being reduced. Call step() (or synchronize()) first")

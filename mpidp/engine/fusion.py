@@ -1,11 +1,11 @@
-"""Fusion policy: which ready allreduces share one buffer; decided from metadata only, so every rank agrees."""
+"""Fusion policy: which ready allreduces share a buffer, and which tensors of a bucket are packed; decided from metadata only, so every rank agrees."""
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
-from .messages import OpType, Response
+from .messages import OpType, Response, part_shapes
 
 _ITEMSIZE = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
              for name in ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
@@ -17,19 +17,26 @@ def nbytes(response: Response) -> int:
     return math.prod(req.shape) * _ITEMSIZE[req.dtype]
 
 
+def tensor_count(batch: List[Response]) -> int:
+    """Tensors a batch carries: every part of a multi-tensor op counts."""
+    return sum(len(r.request.parts) or 1 if r.request is not None else 1 for r in batch)
+
+
 def plan(responses: List[Response], fuse_below_bytes: int,
          fusion_threshold_bytes: int) -> List[List[Response]]:
     """Group ready responses into batches executed in order.
 
-    Allreduces smaller than `fuse_below_bytes` with equal dtype, reduce op, scale factors, device
-    and joined ranks share a batch of at most `fusion_threshold_bytes`; everything else runs alone
-    (large tensors are latency-free already and reducing them in place saves two copies).
+    Single-tensor allreduces smaller than `fuse_below_bytes` with equal dtype, reduce op, scale
+    factors, device and joined ranks share a batch of at most `fusion_threshold_bytes`;
+    everything else runs alone (large tensors are latency-free already and reducing them in
+    place saves two copies). A multi-tensor allreduce (a bucket) is a batch of its own, whose
+    parts the data path groups with `part_groups`.
     """
     batches: List[List[Response]] = []
     open_batch: Dict[tuple, int] = {}
     open_bytes: Dict[tuple, int] = {}
     for resp in responses:
-        if resp.op != OpType.ALLREDUCE or fusion_threshold_bytes == 0:
+        if resp.op != OpType.ALLREDUCE or fusion_threshold_bytes == 0 or resp.request.parts:
             batches.append([resp])
             continue
         size = nbytes(resp)
@@ -50,3 +57,54 @@ def plan(responses: List[Response], fuse_below_bytes: int,
             open_bytes[key] = size
             batches.append([resp])
     return batches
+
+
+class PartPlanner:
+    """How the parts of one batch are reduced: groups of part indices, each either packed into
+    one buffer (small parts, at most the threshold together) or a single part reduced in place.
+
+    Memoized per batch of response objects: a cached bucket comes back as the same Response
+    every step, so its plan is computed once.
+    """
+
+    _LIMIT = 1024
+
+    def __init__(self):
+        self._memo: Dict[tuple, Tuple[List[Response], tuple, List[Tuple[bool, List[int]]]]] = {}
+
+    def __call__(self, batch: List[Response], fuse_below_bytes: int,
+                 fusion_threshold_bytes: int) -> Tuple[List[Tuple[int, ...]],
+                                                       List[Tuple[bool, List[int]]]]:
+        """(shapes of every part in order, [(packed, [part indices])...])."""
+        key = tuple(id(r) for r in batch)
+        limits = (fuse_below_bytes, fusion_threshold_bytes)
+        hit = self._memo.get(key)
+        if hit is not None and hit[1] == limits and all(a is b for a, b in zip(hit[0], batch)):
+            return hit[2]
+        if len(self._memo) >= self._LIMIT:
+            self._memo.clear()
+        shapes = [s for r in batch for s in part_shapes(r.request)]
+        item = _ITEMSIZE[batch[0].request.dtype]
+        sizes = [math.prod(s) * item for s in shapes]
+        groups: List[Tuple[bool, List[int]]] = []
+        packed: List[int] = []
+        packed_bytes = 0
+        if len(batch) > 1:  # a batch that plan() fused is packed whole, as plan() sized it
+            sizes = []
+            groups.append((True, list(range(len(shapes)))))
+        for i, size in enumerate(sizes):
+            small = fusion_threshold_bytes > 0 and size < fuse_below_bytes \
+                and size <= fusion_threshold_bytes
+            if not small:
+                groups.append((False, [i]))
+                continue
+            if packed and packed_bytes + size > fusion_threshold_bytes:
+                groups.append((True, packed))
+                packed, packed_bytes = [], 0
+            packed.append(i)
+            packed_bytes += size
+        if packed:
+            groups.append((True, packed))
+        result = (shapes, groups)
+        self._memo[key] = (list(batch), limits, result)
+        return result

@@ -1,4 +1,4 @@
-"""Handles: one per submitted tensor, completed by the engine; the user holds an integer for a group."""
+"""Completion of an op (set once by the engine, awaited by users) and the integer handles users hold."""
 
 import itertools
 import threading
@@ -9,10 +9,10 @@ from ..errors import OpTimeoutError
 
 
 class Handle:
-    """Completion of one tensor's op; the engine calls `set_result` or `set_error` once.
+    """Completion of one op; the engine calls `set_result` or `set_error` once.
 
     A held lock, released on completion, is a tenth of the cost of a threading.Event to create,
-    and one is created per tensor per step.
+    and one is created per op per step. The engine's op record (tensor_queue.Entry) is one.
     """
 
     __slots__ = ("name", "_lock", "_done", "_result", "_error")
@@ -54,7 +54,7 @@ class Handle:
 
 
 class HandleTable:
-    """Integer handles as Horovod returns them: each names the member handles of one user op."""
+    """Integer handles as Horovod returns them: each names the ops (Entry records) of one user call."""
 
     def __init__(self):
         self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
@@ -68,6 +68,9 @@ class HandleTable:
 
     def owner(self, hid: int):
         return self._get(hid)[2]
+
+    def members(self, hid: int) -> List[Handle]:
+        return self._get(hid)[0]
 
     def _get(self, hid: int):
         try:

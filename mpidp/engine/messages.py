@@ -51,6 +51,9 @@ class Request(NamedTuple):
     root: int = -1
     cacheable: bool = True
     serial: int = 0  # JOIN only: how many unnamed ops this rank has numbered
+    # ALLREDUCE of several tensors (a gradient bucket, a grouped op): each tensor's shape, in
+    # order; `shape` is then the flat length of them all. Empty for one tensor.
+    parts: Tuple[Tuple[int, ...], ...] = ()
 
     def signature(self) -> tuple:
         """What must be equal on every rank for the same name (alltoall/allgather: dim 0 may differ)."""
@@ -59,7 +62,7 @@ class Request(NamedTuple):
         else:
             shape = self.shape
         return (self.op, self.dtype, shape, self.device.split(":")[0], self.reduce_op,
-                self.prescale, self.postscale, self.root)
+                self.prescale, self.postscale, self.root, self.parts)
 
     def cache_key(self) -> tuple:
         """What must not change for a cached response to be reused by this rank.
@@ -69,6 +72,11 @@ class Request(NamedTuple):
         if self.op == OpType.ALLGATHER:
             return self.signature() + (tuple(self.shape),)
         return self.signature()
+
+
+def part_shapes(request: Request) -> Tuple[Tuple[int, ...], ...]:
+    """The shapes of the tensors an op carries: its parts, or its one shape."""
+    return request.parts or (tuple(request.shape),)
 
 
 class Response(NamedTuple):

@@ -28,11 +28,15 @@ def mpi_op(reduce_op: int, is_bool: bool):
     return (_BOOL_OPS if is_bool else _MPI_OPS)[ReduceOp(reduce_op)]
 
 
-def wait(request, spin: bool = True) -> None:
+def wait(request, spin: bool = True, poll=None) -> None:
     """Complete a non-blocking MPI request: spin briefly (if `spin`), then poll with a bounded
-    back-off. Spinning pays off only when nobody on this rank needs the CPU."""
+    back-off. Spinning pays off only when nobody on this rank needs the CPU. `poll()`, if given,
+    is called between tests once the request did not complete at once (the engine uses it to
+    wake sleeping peers it waits for)."""
     if request.Test():
         return
+    if poll is not None:
+        poll()
     end = time.perf_counter() + (_SPIN_S if spin else 0.0)
     while time.perf_counter() < end:
         if request.Test():
@@ -41,6 +45,8 @@ def wait(request, spin: bool = True) -> None:
     while not request.Test():
         time.sleep(delay)
         delay = min(delay * 2, _SLEEP_MAX_S)
+        if poll is not None:
+            poll()
 
 
 class Comms:
@@ -71,8 +77,10 @@ class Comms:
         else:
             self.local = self.world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.cross = self.world.Split(color=self.local.Get_rank(), key=self.rank)
-        # Negotiation traffic gets its own communicator so it never matches data collectives.
+        # Negotiation traffic gets its own communicator so it never matches data collectives,
+        # and wake-up messages (point to point) one more, so nothing else ever matches them.
         self.control = self.world.Dup()
+        self.wake = self.world.Dup()
         self.local_sizes = self.world.allgather(self.local.Get_size())
 
     @property
@@ -81,7 +89,7 @@ class Comms:
         return len(set(self.local_sizes)) == 1
 
     def free(self) -> None:
-        for comm in (self.control, self.cross, self.local, self.world):
+        for comm in (self.wake, self.control, self.cross, self.local, self.world):
             if comm != MPI.COMM_NULL:
                 comm.Free()
 
@@ -131,11 +139,51 @@ def cuda_aware_support() -> Optional[bool]:
     return None
 
 
+# ---- wake-ups (point to point on the wake communicator; see protocol.py) ----
+
+_WAKE_TAG = 7
+
+
+class WakeBox:
+    """One posted receive for wake-up messages (two int64: cycle, flags), tested, never waited on.
+
+    Sends are non-blocking and kept until they complete, so a wake never blocks its sender.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self._buf = np.zeros(2, dtype=np.int64)
+        self._recv = comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_WAKE_TAG)
+        self._sends = []
+
+    def take(self) -> list:
+        """Every (cycle, flags) received since the last call; re-posts the receive."""
+        got = []
+        while self._recv.Test():
+            got.append((int(self._buf[0]), int(self._buf[1])))
+            self._recv = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE,
+                                         tag=_WAKE_TAG)
+        return got
+
+    def send(self, cycle: int, flags: int, ranks) -> None:
+        """Send (cycle, flags) to each rank in `ranks`."""
+        self._sends = [r for r in self._sends if not r.Test()]
+        msg = np.array([cycle, flags], dtype=np.int64)
+        for rank in ranks:
+            self._sends.append(self.comm.Isend([msg, MPI.INT64_T], dest=rank, tag=_WAKE_TAG))
+
+    def close(self) -> None:
+        """Cancel the posted receive (local); sends still in flight are left to MPI."""
+        self._recv.Cancel()
+        self._recv.Wait()
+        self._sends = [r for r in self._sends if not r.Test()]
+
+
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
 
-def allreduce_band(comm, vec: np.ndarray, spin: bool = True) -> None:
-    """Bitwise AND of a uint64 vector across ranks, in place."""
-    wait(comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND), spin)
+def allreduce_band(comm, vec: np.ndarray, spin: bool = True, poll=None) -> None:
+    """Bitwise AND of a uint64 vector across ranks, in place; `poll` as in wait()."""
+    wait(comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND), spin, poll)
 
 
 def gather_objects(comm, obj, root: int) -> Optional[list]:

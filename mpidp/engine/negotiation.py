@@ -17,6 +17,9 @@ def _describe(field: str, request: Request):
     if field == "reduce_op":
         return ReduceOp(request.reduce_op).name.capitalize()
     if field == "shape":
+        if request.parts:
+            shapes = ", ".join(str(tuple(p)) for p in request.parts)
+            return f"{len(request.parts)} tensors of shapes [{shapes}] {request.dtype}"
         return f"shape {tuple(request.shape)} {request.dtype}"
     if field == "trailing":
         return f"shape (*, {', '.join(map(str, request.shape[1:]))}) {request.dtype}" \
@@ -45,14 +48,28 @@ def _key(field: str, request: Request):
     if field == "trailing":
         return (len(request.shape) > 0, tuple(request.shape[1:]), request.dtype)
     if field == "shape":
-        return (tuple(request.shape), request.dtype)
+        return (tuple(request.shape), request.parts, request.dtype)
     return getattr(request, field)
+
+
+def _first_differing_part(requests: Dict[int, Request]):
+    """Index of the first tensor whose shape differs between ranks' multi-tensor requests of
+    the same length, or None."""
+    parts = {req.parts for req in requests.values()}
+    if len(parts) < 2 or len({len(p) for p in parts}) > 1 or not all(parts):
+        return None
+    return next(i for i, shapes in enumerate(zip(*parts)) if len(set(shapes)) > 1)
 
 
 def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
     """Empty string if the ranks' requests agree, else one message naming tensor, ranks and field."""
     first = requests[min(requests)]
     label = op_label(first)
+    part = _first_differing_part(requests)
+    if part is not None:  # name the tensor of a group that differs, as '<name>.<index>'
+        label = op_label(first._replace(name=f"{first.name}.{part}"))
+        requests = {r: req._replace(shape=req.parts[part] if part < len(req.parts) else (),
+                                    parts=()) for r, req in requests.items()}
     for field in _fields(first.op) if all(r.op == first.op for r in requests.values()) else ["op"]:
         groups: Dict[object, List[int]] = {}
         for rank, req in requests.items():

@@ -1,60 +1,78 @@
-"""The tensor queue: submissions from user threads, drained by the engine at each cycle."""
+"""The op record and the submission queue: every op in flight on this rank, in one table, by name."""
 
 import threading
 import time
-from typing import List, Optional
-
-import torch
+from typing import Dict, List, Optional
 
 from .handles import Handle
 from .messages import Request, op_label
 
+# Where an admitted op waits: on its response-cache bit, or for the coordinator's answer.
+NEW, CACHED, SENT = 0, 1, 2
 
-class Entry:
-    """A submitted op as the engine holds it: request, tensors and handle."""
 
-    __slots__ = ("request", "tensor", "output", "handle", "extra", "submitted", "bit", "cache_key")
+class Entry(Handle):
+    """One in-flight op: the request, its tensors, where negotiation stands, and its completion.
 
-    def __init__(self, request: Request, tensor: Optional[torch.Tensor],
-                 output: Optional[torch.Tensor], handle: Handle, extra=None):
+    This is the only record of an op. The queue's `ops` table holds it from submission until the
+    engine completes it; the user's integer handle (HandleTable) names it; stats and the
+    timeline read it. For ALLREDUCE, `tensor` and `output` are lists (one tensor per part of
+    the request); for every other op, single tensors (None for barrier and join).
+    """
+
+    __slots__ = ("request", "tensor", "output", "extra", "submitted", "state", "bit",
+                 "cache_key")
+
+    def __init__(self, request: Request, tensor, output, extra=None, cache_key=None):
+        Handle.__init__(self, request.name)
         self.request = request
-        self.tensor = tensor      # input (None for barrier/join)
+        self.tensor = tensor      # input
         self.output = output      # where the result goes (is `tensor` when in place)
-        self.handle = handle
         self.extra = extra        # op-specific: alltoall splits
         self.submitted = time.monotonic()
-        self.bit = -1             # response-cache bit while waiting on the fast path
-        self.cache_key = request.cache_key() if request.cacheable else None
+        self.state = NEW          # NEW until the engine admits it, then CACHED or SENT
+        self.bit = -1             # response-cache bit while CACHED
+        if cache_key is None and request.cacheable:
+            cache_key = request.cache_key()
+        self.cache_key = cache_key
+
+    def rename(self, name: str) -> None:
+        """Give an unnamed op the number it drew (before it is queued)."""
+        self.request = self.request._replace(name=name)
+        self.name = name
 
 
 class TensorQueue:
-    """Thread-safe submission queue; rejects a name that is already in flight."""
+    """Thread-safe table of in-flight ops plus the list of those the engine has not yet taken.
+
+    `wake` is the condition an idle engine sleeps on; submissions notify it.
+    """
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.wake = threading.Condition(self._lock)
+        self.ops: Dict[str, Entry] = {}   # every op in flight on this rank, by name
         self._new: List[Entry] = []
-        self._in_flight = set()
         self._closed: Optional[BaseException] = None
-        self.wake = threading.Event()  # set on submission so a sleeping engine starts a cycle
-        self.sleeping = False  # the engine is (about to be) waiting on `wake`
+        self._sleeping = False
 
-    def push(self, entries: List[Entry]) -> None:
-        """Enqueue atomically (a grouped op is all or nothing); raise on duplicate names."""
+    def push(self, entries: List[Entry], notify: bool = True) -> None:
+        """Enqueue atomically (a grouped op is all or nothing); raise on duplicate names.
+        `notify=False`: the caller drives the engine itself (see Engine.drive)."""
         with self._lock:
             if self._closed is not None:
                 raise type(self._closed)(*self._closed.args)
             names = [e.request.name for e in entries]
             for entry in entries:
-                if entry.request.name in self._in_flight or names.count(entry.request.name) > 1:
+                if entry.request.name in self.ops or names.count(entry.request.name) > 1:
                     raise ValueError(
                         f"{op_label(entry.request)}: an op with this name is already in flight "
                         f"on this rank; synchronize it first or give each op a unique name")
-            self._in_flight.update(names)
+            for entry in entries:
+                self.ops[entry.request.name] = entry
             self._new.extend(entries)
-        # Waking an engine that is mid-cycle is wasted work (it drains the queue next cycle
-        # anyway) and takes the GIL from a burst of submissions.
-        if self.sleeping:
-            self.wake.set()
+            if notify and self._sleeping:
+                self.wake.notify()
 
     def drain(self) -> List[Entry]:
         with self._lock:
@@ -64,15 +82,31 @@ class TensorQueue:
     def has_new(self) -> bool:
         return bool(self._new)
 
-    def finished(self, name: str) -> None:
+    def notify(self) -> None:
         with self._lock:
-            self._in_flight.discard(name)
+            self.wake.notify()
+
+    def sleep(self, timeout: float, busy) -> None:
+        """Block until a submission, notify() or `timeout`, unless `busy()` (called under the
+        lock, so a submission cannot slip in between the check and the wait)."""
+        with self._lock:
+            if self._new or self._closed is not None or busy():
+                return
+            self._sleeping = True
+            self.wake.wait(timeout)
+            self._sleeping = False
+
+    def finished(self, entry: Entry) -> None:
+        with self._lock:
+            if self.ops.get(entry.request.name) is entry:
+                del self.ops[entry.request.name]
 
     def close(self, error: BaseException) -> List[Entry]:
-        """Refuse later submissions with `error`; return what was queued but not drained."""
+        """Refuse later submissions with `error`; return every op still in flight."""
         with self._lock:
             self._closed = error
-            new, self._new = self._new, []
-            self._in_flight.clear()
-        self.wake.set()
-        return new
+            left = list(self.ops.values())
+            self.ops.clear()
+            self._new = []
+            self.wake.notify_all()
+        return left

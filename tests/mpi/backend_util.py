@@ -28,11 +28,28 @@ def request(name, op, tensor, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.
                    device, reduce_op, prescale, postscale, root)
 
 
+def entry(req, tensor, output, extra=None):
+    """The engine's record for `req`: an allreduce carries lists of parts."""
+    if req.op == OpType.ALLREDUCE:
+        return Entry(req, [tensor], [output], extra)
+    return Entry(req, tensor, output, extra)
+
+
 def single(name, op, tensor, output=None, extra=None, first_dims=(), **kw):
     """A one-response batch and its entry."""
     req = request(name, op, tensor, **kw)
-    entry = Entry(req, tensor, tensor if output is None else output, None, extra)
-    return [Response(name, op, req, first_dims=tuple(first_dims))], [entry]
+    return ([Response(name, op, req, first_dims=tuple(first_dims))],
+            [entry(req, tensor, tensor if output is None else output, extra)])
+
+
+def bucket(name, tensors, joined=False, **kw):
+    """A one-response batch of one multi-tensor allreduce (a gradient bucket) and its entry."""
+    first = tensors[0]
+    req = Request(name, OpType.ALLREDUCE, str(first.dtype).replace("torch.", ""),
+                  (sum(t.numel() for t in tensors),), "cpu",
+                  parts=tuple(tuple(t.shape) for t in tensors), **kw)
+    return ([Response(name, OpType.ALLREDUCE, req)],
+            [None if joined else Entry(req, list(tensors), [t.clone() for t in tensors])])
 
 
 def fused(prefix, tensors, joined_mask=None, **kw):
@@ -42,7 +59,7 @@ def fused(prefix, tensors, joined_mask=None, **kw):
         req = request(f"{prefix}.{i}", OpType.ALLREDUCE, t, **kw)
         batch.append(Response(req.name, OpType.ALLREDUCE, req))
         joined = joined_mask is not None and joined_mask[i]
-        entries.append(None if joined else Entry(req, t, t.clone(), None))
+        entries.append(None if joined else entry(req, t, t.clone()))
     return batch, entries
 
 
@@ -53,26 +70,30 @@ def clone_entries(entries):
         if e is None:
             out.append(None)
             continue
-        t = e.tensor.clone()
-        o = t if e.output is e.tensor else e.output.clone()
-        out.append(Entry(e.request, t, o, None, e.extra))
+        if isinstance(e.tensor, list):
+            t = [x.clone() for x in e.tensor]
+            o = t if e.output is e.tensor else [x.clone() for x in e.output]
+        else:
+            t = e.tensor.clone()
+            o = t if e.output is e.tensor else e.output.clone()
+        out.append(Entry(e.request, t, o, e.extra))
     return out
 
 
 def same(a, b) -> bool:
     """Exact equality of results (tensors, tuples of tensors, None), dtype and shape included."""
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (type(a) is type(b) and len(a) == len(b)
                 and all(same(x, y) for x, y in zip(a, b)))
     if a is None or b is None:
         return a is None and b is None
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def run_both(first, second, batch, entries):
+def run_both(first, second, batch, entries, *fusion_limits):
     """Execute the same batch on two backends (each on its own copies); returns both results."""
-    return (first.execute(batch, clone_entries(entries)),
-            second.execute(batch, clone_entries(entries)))
+    return (first.execute(batch, clone_entries(entries), *fusion_limits),
+            second.execute(batch, clone_entries(entries), *fusion_limits))
 
 
 ALLREDUCE, ALLGATHER, BROADCAST = OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST

@@ -372,9 +372,14 @@ def test_duplicate_name_in_flight_raises_then_reusable():
 
 @pytest.mark.mpi
 def test_grouped_op_is_atomic_on_duplicate():
-    """A grouped op clashing with an in-flight name is refused as a whole: nothing is enqueued."""
+    """A grouped op clashing with an in-flight name is refused as a whole: nothing is enqueued.
+    (A group of mixed dtypes is one op per tensor, named '<name>.<index>'; a group of one dtype
+    is one op under its own name.)"""
     name = "test_grouped_op_is_atomic_on_duplicate"
     n = size()
+
+    def group():
+        return [torch.ones(1), torch.ones(1, dtype=torch.float64)]
 
     def body():
         if rank() == 0:
@@ -383,8 +388,7 @@ def test_grouped_op_is_atomic_on_duplicate():
         refused = None
         if rank() != 0 or n == 1:  # rank 0 is late: its op may be done already
             try:
-                g = mpidp.grouped_allreduce_async([torch.ones(1), torch.ones(1)],
-                                                  op=mpidp.Sum, name=name)
+                g = mpidp.grouped_allreduce_async(group(), op=mpidp.Sum, name=name)
                 refused = False
                 if n == 1:
                     mpidp.synchronize(g)
@@ -392,8 +396,8 @@ def test_grouped_op_is_atomic_on_duplicate():
                 refused = True
         first = mpidp.synchronize(h)
         # If the group had been half-enqueued, '<name>.0' would now be in flight.
-        g2 = mpidp.synchronize(mpidp.grouped_allreduce_async([torch.ones(1), torch.ones(1)],
-                                                             op=mpidp.Sum, name=name))
+        g2 = mpidp.synchronize(mpidp.grouped_allreduce_async(group(), op=mpidp.Sum,
+                                                                 name=name))
         return refused, first, g2
 
     refused, first, g2 = run_all(body)

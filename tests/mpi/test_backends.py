@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 import mpidp
 from backend_util import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE_OPS,
-                          REDUCESCATTER, fused, run_both, same, single, values)
+                          REDUCESCATTER, bucket, fused, run_both, same, single, values)
 from mpi_util import DTYPES, assert_all, dtype_id, run_all
 from mpidp import config as mpidp_config
 from mpidp.engine.backends import Dispatch, available, make_backend
@@ -163,6 +163,31 @@ def test_barrier_runs_on_every_path(paths, other):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int32], ids=dtype_id)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE], ids=lambda o: o.name)
+def test_bucket_matches_host_and_the_sum(paths, other, dtype, op):
+    """A multi-tensor op (a gradient bucket): small parts packed, large ones reduced alone (the
+    host config's chunk_bytes=256 chunks them); exact against the sum of every rank's values."""
+    shapes = [(3,), (200,), (2, 2), (), (70,), (1,)]
+    tensors = [values(s, dtype, RANK, i) for i, s in enumerate(shapes)]
+    for fuse_below, threshold in ((64, 4096), (1 << 20, 4096), (64, 0), (1 << 20, 24)):
+        batch, entries = bucket("b", tensors, reduce_op=op)
+        got_host, got_other = run_all(run_both, paths["host"], other, batch, entries,
+                                      fuse_below, threshold)
+        ok = same(got_host, got_other)
+        want = [sum(values(s, dtype, r, i).double() for r in range(SIZE)) for i, s in
+                enumerate(shapes)]
+        if op == ReduceOp.AVERAGE:
+            want = [w / SIZE if dtype.is_floating_point else torch.floor(w / SIZE) for w in want]
+        exact = all(torch.allclose(g.double(), w, atol=1e-2) for g, w in zip(got_host[0], want))
+        assert_all(ok and exact, f"{dtype} {op.name} limits {fuse_below}/{threshold}: "
+                                 f"host {got_host} other {got_other} want {want}")
+    batch, entries = bucket("bj", tensors, joined=RANK == 0 and SIZE > 1, reduce_op=ReduceOp.SUM)
+    got_host, got_other = run_all(run_both, paths["host"], other, batch, entries)
+    assert_all(same(got_host, got_other), f"joined: {got_host} vs {got_other}")
+
+
+@pytest.mark.mpi
 def test_staged_path_copies_into_the_callers_output(paths):
     """The twin stages: the inner backend sees host copies, the caller's tensors get results."""
     t = values((6,), torch.float32, RANK)
@@ -170,7 +195,7 @@ def test_staged_path_copies_into_the_callers_output(paths):
     batch, entries = single("st", ALLREDUCE, t, output=out)
     got = run_all(paths["staged"].execute, batch, entries)
     want = sum(values((6,), torch.float32, r) for r in range(SIZE))
-    assert_all(got[0] is out and torch.equal(out, want) and
+    assert_all(got[0][0] is out and torch.equal(out, want) and
                torch.equal(t, values((6,), torch.float32, RANK)), f"{got} {out} {want}")
 
 

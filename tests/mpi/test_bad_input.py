@@ -271,8 +271,8 @@ def test_row_duplicate_name_in_flight(second):
     the other ranks when they submit a second op under the same name."""
     name = f"test_row_duplicate_name.{second}"
     n, last = size(), rank() == size() - 1
-    # A group names its members '<name>.<index>': the op in flight takes the first one's name.
-    in_flight = f"{name}.0" if second == "grouped_allreduce" else name
+    # A group of tensors of one dtype is one op under the group's name.
+    in_flight = name
     first = None if last else mpidp.allreduce_async(torch.ones(2), op=mpidp.Sum, name=in_flight)
     problem = ""
     if not last:

@@ -199,7 +199,7 @@ def _workload(name, rounds=3, names=12):
     dict(fusion_threshold_bytes=0),
     dict(fuse_below_bytes=1 << 30, fusion_threshold_bytes=24),
     dict(chunk_bytes=8),
-    dict(cycle_time_ms=2.0, idle_backoff_max_ms=0.5),
+    dict(cycle_time_ms=2.0),
 ], ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
 def test_knobs_change_nothing_observable(knobs):
     name = "test_knobs_change_nothing_observable." + "_".join(knobs)

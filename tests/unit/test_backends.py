@@ -19,7 +19,11 @@ pytestmark = pytest.mark.timeout(60)
 def _batch(op, tensor, device="cpu", output=None, extra=None, name="t", **kw):
     req = Request(name, op, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape), device,
                   **kw)
-    entry = Entry(req, tensor, tensor if output is None else output, None, extra)
+    output = tensor if output is None else output
+    if op == OpType.ALLREDUCE:  # an allreduce carries lists of parts
+        entry = Entry(req, [tensor], [output], extra)
+    else:
+        entry = Entry(req, tensor, output, extra)
     return [Response(name, op, req)], [entry]
 
 
@@ -30,12 +34,13 @@ class Recorder:
         self.seen = []
         self.closed = 0
 
-    def execute(self, batch, entries):
+    def execute(self, batch, entries, *fusion_limits):
         self.seen.append((batch, entries))
         out = []
         for resp, entry in zip(batch, entries):
             if resp.op == OpType.ALLREDUCE:
-                entry.output.copy_(entry.tensor * 2)
+                for src, dst in zip(entry.tensor, entry.output):
+                    dst.copy_(src * 2)
                 out.append(entry.output)
             elif resp.op == OpType.ALLGATHER:
                 out.append(torch.cat([entry.tensor, entry.tensor]))
@@ -84,8 +89,8 @@ def test_staged_twin_runs_the_inner_backend_on_host_copies():
     got = staged.execute(batch, entries)
     (seen_batch, seen_entries), = inner.seen
     assert seen_batch[0].request.device == "cpu"
-    assert seen_entries[0].tensor is not t and seen_entries[0].output is not out
-    assert got[0] is out and torch.equal(out, t * 2)
+    assert seen_entries[0].tensor[0] is not t and seen_entries[0].output[0] is not out
+    assert got[0] == [out] and torch.equal(out, t * 2)
     assert torch.equal(t, torch.arange(4.0))  # input untouched
 
 
@@ -93,7 +98,7 @@ def test_staged_twin_in_place_and_new_results():
     staged = StagedBackend(Recorder(), pin_memory=False)
     t = torch.arange(3.0)
     got = staged.execute(*_batch(OpType.ALLREDUCE, t))
-    assert got[0] is t and torch.equal(t, torch.arange(3.0) * 2)
+    assert got[0][0] is t and torch.equal(t, torch.arange(3.0) * 2)
     g = staged.execute(*_batch(OpType.ALLGATHER, torch.ones(2, 2)))[0]
     assert g.shape == (4, 2) and g.device.type == "cpu"
     rows, splits = staged.execute(*_batch(OpType.ALLTOALL, torch.zeros(3)))[0]
@@ -112,7 +117,7 @@ def test_staged_twin_keeps_joined_entries_empty():
 def test_stream_ordered_is_transparent_on_cpu():
     inner = Recorder()
     t = torch.ones(2)
-    assert StreamOrdered(inner).execute(*_batch(OpType.ALLREDUCE, t))[0] is t
+    assert StreamOrdered(inner).execute(*_batch(OpType.ALLREDUCE, t))[0][0] is t
     assert torch.equal(t, torch.full((2,), 2.0))
 
 

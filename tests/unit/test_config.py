@@ -14,7 +14,7 @@ DEFAULTS = {
     "fuse_below_bytes": 64 * 1024,
     "chunk_bytes": 4 * MiB,
     "cycle_time_ms": 0.0,
-    "idle_backoff_max_ms": 50.0,
+    "bucket_bytes": 25 * MiB,
     "cache_capacity": 1024,
     "stall_warning_s": 60.0,
     "stall_shutdown_s": 0.0,
@@ -71,7 +71,7 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
     ("MPIDP_FUSE_BELOW_BYTES", "fuse_below_bytes", "4096", 4096),
     ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
     ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
-    ("MPIDP_IDLE_BACKOFF_MAX_MS", "idle_backoff_max_ms", "10", 10.0),
+    ("MPIDP_BUCKET_BYTES", "bucket_bytes", "1048576", 1048576),
     ("MPIDP_CACHE_CAPACITY", "cache_capacity", "0", 0),
     ("MPIDP_STALL_WARNING_S", "stall_warning_s", "0", 0.0),
     ("MPIDP_STALL_SHUTDOWN_S", "stall_shutdown_s", "300", 300.0),
@@ -131,7 +131,7 @@ def test_mpidp_variable_wins_even_when_alias_is_malformed():
     ("MPIDP_CYCLE_TIME_MS", "-0.5"),
     ("MPIDP_CYCLE_TIME_MS", "nan"),
     ("MPIDP_CYCLE_TIME_MS", "fast"),
-    ("MPIDP_IDLE_BACKOFF_MAX_MS", "NaN"),
+    ("MPIDP_BUCKET_BYTES", "-1"),
     ("MPIDP_STALL_WARNING_S", "-60"),
     ("MPIDP_STALL_SHUTDOWN_S", "nan"),
     ("MPIDP_LOG_LEVEL", "verbose"),
@@ -227,7 +227,7 @@ def test_malformed_override_raises_config_error(field, value):
         config.load({}, **{field: value})
 
 
-@pytest.mark.parametrize("var", ["MPIDP_CYCLE_TIME_MS", "MPIDP_IDLE_BACKOFF_MAX_MS"])
+@pytest.mark.parametrize("var", ["MPIDP_CYCLE_TIME_MS", "MPIDP_STALL_WARNING_S"])
 def test_infinite_sleep_time_is_rejected(var):
     with pytest.raises(ConfigError, match=var):
         config.load({var: "inf"})

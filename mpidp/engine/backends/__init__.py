@@ -1,7 +1,8 @@
 """Data paths behind one interface: `execute(batch, entries)` runs a negotiated batch.
 
-Every backend has `execute(batch, entries) -> list` (one result per response; entries[i] is None
-on a joined rank) and `close()`; the wrappers in cuda.py hold the backend they wrap in `inner`.
+Every backend has `execute(batch, entries, fuse_below=None, threshold=None) -> list` (one result
+per response; entries[i] is None on a joined rank; the two limits group an allreduce's parts) and
+`close()`; the wrappers in cuda.py hold the backend they wrap in `inner`.
 `make_backend` builds a `Dispatch` that routes each batch by the device kind of its tensors
 (fusion.plan never mixes device kinds in one batch; a rank runs its batches on its own device):
 
@@ -57,14 +58,14 @@ class Dispatch:
                 backend = backend.inner
             backend.timeline_mark = mark
 
-    def execute(self, batch: List, entries: List) -> list:
+    def execute(self, batch: List, entries: List, *fusion_limits) -> list:
         """Run one batch on its device's path. Synchronization: that path's collectives."""
         kind = batch[0].request.device.split(":")[0] if batch[0].request else "cpu"
         backend = self.routes.get(kind)
         if backend is None:
             raise MpidpError(f"no data path for {kind} tensors in this process (paths: "
                              f"{self.names}); see docs/data_paths.md")
-        return backend.execute(batch, entries)
+        return backend.execute(batch, entries, *fusion_limits)
 
     def close(self) -> None:
         """Release process groups (local). Call once, after the engine's last batch."""

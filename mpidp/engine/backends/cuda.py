@@ -51,12 +51,13 @@ class StreamOrdered:
     def __init__(self, inner):
         self.inner = inner
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
+                *fusion_limits) -> list:
         """Run one batch on device memory. Synchronization: the device, then the inner backend's
         collectives, then the engine thread's stream."""
         device = local_device(batch, entries)
         wait_producers(device)
-        results = self.inner.execute(batch, entries)
+        results = self.inner.execute(batch, entries, *fusion_limits)
         finish(device)
         return results
 
@@ -80,19 +81,38 @@ class StagedBackend:
         host.copy_(t)
         return host
 
+    def _host_parts(self, entry: Entry) -> Entry:
+        """An allreduce's parts flattened on the device into one tensor, copied to host once,
+        and viewed there as the parts again; results come back the same way (_back)."""
+        flat = torch.cat([t.reshape(-1) for t in entry.tensor])
+        host = self._to_host(flat)
+        views = [v.view(t.shape) for v, t in zip(host.split([t.numel() for t in entry.tensor]),
+                                                 entry.tensor)]
+        return Entry(entry.request._replace(device="cpu"), views, views, entry.extra,
+                     entry.cache_key)
+
     def _host_entry(self, entry: Optional[Entry]) -> Optional[Entry]:
         if entry is None:
             return None
+        if isinstance(entry.tensor, list):
+            return self._host_parts(entry)
         tensor = None if entry.tensor is None else self._to_host(entry.tensor)
         if entry.output is None or entry.output is entry.tensor:
             output = tensor
         else:  # every op with a separate output overwrites it: no need to copy it over
             output = torch.empty(entry.output.shape, dtype=entry.output.dtype, device="cpu",
                                  pin_memory=self.pin_memory)
-        return Entry(entry.request._replace(device="cpu"), tensor, output, entry.handle,
-                     entry.extra)
+        return Entry(entry.request._replace(device="cpu"), tensor, output, entry.extra,
+                     entry.cache_key)
 
     def _back(self, result, host_entry: Optional[Entry], entry: Optional[Entry], device):
+        if isinstance(result, list):  # allreduce parts: one copy of the whole bucket back
+            flat = torch.cat([r.reshape(-1) for r in result]).to(device)
+            sizes = [r.numel() for r in result]
+            if entry is None:
+                return [v.view(r.shape) for v, r in zip(flat.split(sizes), result)]
+            torch._foreach_copy_([o.view(-1) for o in entry.output], list(flat.split(sizes)))
+            return entry.output
         if isinstance(result, tuple):  # alltoall: (rows, received splits); splits stay on host
             return (self._back(result[0], host_entry, entry, device),) + result[1:]
         if not isinstance(result, torch.Tensor):
@@ -102,7 +122,8 @@ class StagedBackend:
             return entry.output
         return result.to(device)
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
+                *fusion_limits) -> list:
         """Run one device batch through host memory. Synchronization: the device, the host
         backend's collectives, then the copies back."""
         device = local_device(batch, entries)
@@ -110,7 +131,7 @@ class StagedBackend:
         host_batch = [r._replace(request=r.request._replace(device="cpu")) if r.request else r
                       for r in batch]
         host_entries = [self._host_entry(e) for e in entries]
-        results = self.inner.execute(host_batch, host_entries)
+        results = self.inner.execute(host_batch, host_entries, *fusion_limits)
         out = [self._back(r, h, e, device) for r, h, e in zip(results, host_entries, entries)]
         finish(device)
         return out

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ...log import logger
-from .. import mpi
-from ..messages import OpType, ReduceOp, Response
+from .. import fusion, mpi
+from ..messages import OpType, ReduceOp, Response, part_shapes
 from ..tensor_queue import Entry
 
 # MPI has no bfloat16 (MPICH rejects the op, Open MPI sums wrongly), and MPICH reduces float16
@@ -55,7 +55,8 @@ def local_device(batch: List[Response], entries: List[Optional[Entry]]) -> torch
     coordinator's, whose index may differ), or for a joined rank the current device of the kind."""
     for entry in entries:
         if entry is not None and entry.tensor is not None:
-            return entry.tensor.device
+            first = entry.tensor[0] if isinstance(entry.tensor, list) else entry.tensor
+            return first.device
     kind = batch[0].request.device.split(":")[0]
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -92,6 +93,7 @@ class HostBackend:
         self.rank = comms.rank
         self.config = config
         self._fusion = {}  # (dtype, device) -> persistent fusion buffer, grown on demand
+        self._planner = fusion.PartPlanner()
         self.hierarchical = self._hierarchy_usable(comms, config)
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
 
@@ -160,17 +162,11 @@ class HostBackend:
             self._allreduce(None if send_np is None else send_np[lo:hi], recv_np[lo:hi], op)
             self._scale_after(recv[lo:hi], req)
 
-    def allreduce_one(self, resp: Response, entry: Optional[Entry]) -> torch.Tensor:
-        req = resp.request
-        dtype = _dtype(req.dtype)
-        if entry is None:  # joined rank: contribute zeros
-            out = torch.zeros(req.shape, dtype=dtype, device=local_device([resp], [None]))
-            src = out
-        else:
-            out, src = entry.output, entry.tensor
-        wide = _WIDEN.get(dtype)
+    def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
+        """One tensor reduced on its own, in place when it can be (no copy at all)."""
+        wide = _WIDEN.get(out.dtype)
         if wide is not None or req.prescale != 1.0:
-            work = src.to(wide or dtype, copy=True)
+            work = src.to(wide or out.dtype, copy=True)
             if req.prescale != 1.0:
                 work.mul_(req.prescale)
             if self.timeline_mark:
@@ -179,26 +175,24 @@ class HostBackend:
             if self.timeline_mark:
                 self.timeline_mark("mpi")
             out.copy_(work)
-            return out
+            return
         self._reduce_flat(None if out is src else src.reshape(-1), out.view(-1), req)
         if self.timeline_mark:
             self.timeline_mark("mpi")
-        return out
 
-    def allreduce_fused(self, batch: List[Response], entries: List[Optional[Entry]]):
-        req = batch[0].request
-        dtype = _dtype(req.dtype)
+    def _allreduce_packed(self, srcs: List[torch.Tensor], outs: List[torch.Tensor], req,
+                          device) -> None:
+        """Several tensors packed into the persistent fusion buffer, reduced as one."""
+        dtype = srcs[0].dtype
         wide = _WIDEN.get(dtype, dtype)
-        sizes = [math.prod(r.request.shape) for r in batch]
+        sizes = [t.numel() for t in srcs]
         total = sum(sizes)
-        device = local_device(batch, entries)
         buf = self._fusion.get((wide, device))
         if buf is None or buf.numel() < total:
             buf = torch.empty(max(total, 1024), dtype=wide, device=device)
             self._fusion[(wide, device)] = buf
         buf = buf[:total]
-        flat = [e.tensor.reshape(-1) if e is not None
-                else torch.zeros(n, dtype=dtype, device=device) for e, n in zip(entries, sizes)]
+        flat = [t.reshape(-1) for t in srcs]
         if wide is dtype:
             torch.cat(flat, out=buf)
         else:
@@ -210,11 +204,36 @@ class HostBackend:
         self._reduce_flat(None, buf, req)
         if self.timeline_mark:
             self.timeline_mark("mpi")
-        outs = [e.output if e is not None
-                else torch.empty(r.request.shape, dtype=dtype, device=device)
-                for e, r in zip(entries, batch)]
         torch._foreach_copy_([o.view(-1) for o in outs], list(buf.split(sizes)))
-        return outs
+
+    def allreduce_batch(self, batch: List[Response], entries: List[Optional[Entry]],
+                        fuse_below: int, threshold: int) -> list:
+        """Every part of every op of the batch: small parts packed (at most `threshold` bytes a
+        buffer), large ones reduced in place; one result (the list of outputs) per op.
+        A joined rank (entry None) reduces zeros of the agreed shapes."""
+        req = batch[0].request
+        shapes, groups = self._planner(batch, fuse_below, threshold)
+        device = local_device(batch, entries)
+        srcs, outs, results = [], [], []
+        for resp, entry in zip(batch, entries):
+            if entry is None:
+                zeros = [torch.zeros(s, dtype=_dtype(req.dtype), device=device)
+                         for s in part_shapes(resp.request)]
+                srcs += zeros
+                outs += zeros
+                results.append(zeros)
+            else:
+                srcs += entry.tensor
+                outs += entry.output
+                results.append(entry.output)
+        for packed, idx in groups:
+            if packed and len(idx) > 1:
+                self._allreduce_packed([srcs[i] for i in idx], [outs[i] for i in idx], req,
+                                       device)
+            else:
+                for i in idx:
+                    self._allreduce_alone(srcs[i], outs[i], req)
+        return results
 
     # ---- other collectives ----
 
@@ -282,13 +301,17 @@ class HostBackend:
 
     # ---- dispatch ----
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
-        """Run one batch; returns one result per response (the handle's value)."""
+    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
+                fuse_below: Optional[int] = None, threshold: Optional[int] = None) -> list:
+        """Run one batch; returns one result per response (the op's value). `fuse_below` and
+        `threshold` (the engine's current fusion knobs; default: the config's) group the
+        parts of an allreduce. Synchronization: this batch's collectives."""
         resp = batch[0]
         if resp.op == OpType.ALLREDUCE:
-            if len(batch) > 1:
-                return self.allreduce_fused(batch, entries)
-            return [self.allreduce_one(resp, entries[0])]
+            return self.allreduce_batch(
+                batch, entries,
+                self.config.fuse_below_bytes if fuse_below is None else fuse_below,
+                self.config.fusion_threshold_bytes if threshold is None else threshold)
         entry = entries[0]
         if resp.op == OpType.ALLGATHER:
             return [self.allgather(resp, entry)]

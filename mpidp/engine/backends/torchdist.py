@@ -190,11 +190,12 @@ class ProcessGroupBackend(HostBackend):
         self._scale_after(out, req)
         return out if out.dtype == dtype else out.to(dtype)
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
+                *fusion_limits) -> list:
         """Run one batch; see HostBackend.execute. Synchronization: the process group's calls."""
         # A barrier needs no data: negotiation already waited for every rank, and a joined
         # rank (whose engine skips the barrier) must not be waited for here.
-        return super().execute(batch, entries)
+        return super().execute(batch, entries, *fusion_limits)
 
 
 def _reduce_scatter_options(req, is_bool: bool):
