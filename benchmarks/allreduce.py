@@ -7,6 +7,8 @@ Cases: ResNet-18's 62 gradient tensors (11,689,512 float32) and single float32 t
 64 MB. Contenders, run once each per round, in an order that rotates from round to round:
 
   mpidp          allreduce_async_(t, name=..., op=Sum) for every tensor, then synchronize() each
+  mpidp_bucket   (sets of tensors) grouped_allreduce_async_ of the whole set: one op, as
+                 DistributedOptimizer submits a gradient bucket
   raw_per_tensor one comm.Allreduce(IN_PLACE) per tensor
   raw_fused      copy every tensor into one buffer, one Allreduce, copy back
   raw_fused_4M   the same buffer reduced in 4 MB chunks (one Allreduce per chunk)
@@ -152,6 +154,11 @@ def mpidp_run(tensors, prefix, op):
         mpidp.synchronize(h)
 
 
+def mpidp_bucket(tensors, prefix, op):
+    """The whole set as one op, as DistributedOptimizer submits a gradient bucket."""
+    mpidp.synchronize(mpidp.grouped_allreduce_async_(tensors, name=f"{prefix}.bucket", op=op))
+
+
 # ---- measurement ----
 
 def timed(comm, fn, reps: int) -> float:
@@ -209,17 +216,21 @@ def case_contenders(comm, tensors, prefix, op):
     if len(tensors) == 1:
         return [("mpidp", run_mpidp), ("raw_per_tensor", raw.per_tensor),
                 ("raw_chunk_4M", raw.chunked_per_tensor)]
-    return [("mpidp", run_mpidp), ("raw_per_tensor", raw.per_tensor),
-            ("raw_fused", raw.fused), ("raw_fused_4M", raw.fused_chunked),
-            ("raw_hybrid", raw.hybrid)]
+    run_bucket = lambda: mpidp_bucket(tensors, prefix, op)  # noqa: E731
+    return [("mpidp", run_mpidp), ("mpidp_bucket", run_bucket),
+            ("raw_per_tensor", raw.per_tensor), ("raw_fused", raw.fused),
+            ("raw_fused_4M", raw.fused_chunked), ("raw_hybrid", raw.hybrid)]
 
 
 def summarize(samples):
     med = {label: statistics.median(v) for label, v in samples.items()}
     raws = {k: v for k, v in med.items() if k.startswith("raw")}
     best = min(raws, key=raws.get)
-    return {"median_s": med, "best_raw": best, "ratio": med["mpidp"] / raws[best],
-            "samples_s": samples}
+    out = {"median_s": med, "best_raw": best, "ratio": med["mpidp"] / raws[best],
+           "samples_s": samples}
+    if "mpidp_bucket" in med:
+        out["ratio_bucket"] = med["mpidp_bucket"] / raws[best]
+    return out
 
 
 def bench_latency(comm, iters, blocks=10):
@@ -379,8 +390,8 @@ def report(res):
                                   if k in ("fusion_threshold_bytes", "fuse_below_bytes",
                                            "chunk_bytes", "cycle_time_ms",
                                            "bucket_bytes")))
-    labels = ["mpidp", "raw_per_tensor", "raw_fused", "raw_fused_4M", "raw_hybrid",
-              "raw_chunk_4M"]
+    labels = ["mpidp", "mpidp_bucket", "raw_per_tensor", "raw_fused", "raw_fused_4M",
+              "raw_hybrid", "raw_chunk_4M"]
     head = f"{'case':>10} " + " ".join(f"{l:>14}" for l in labels) + \
            f" {'best raw':>14} {'mpidp/best':>10}"
     print(head)
@@ -389,15 +400,17 @@ def report(res):
         cells = " ".join(f"{fmt_time(med[l]) if l in med else '-':>14}" for l in labels)
         print(f"{name:>10} {cells} {c['best_raw']:>14} {c['ratio']:>10.2f}")
     if "resnet18" in res["cases"]:
-        r = res["cases"]["resnet18"]["ratio"]
-        print(f"goal ResNet-18 <= 1.10 x best raw: {r:.2f} "
-              f"{'MET' if r <= 1.10 else 'NOT MET'}")
+        c = res["cases"]["resnet18"]
+        r = min(c["ratio"], c.get("ratio_bucket", c["ratio"]))
+        print(f"ResNet-18 set: per-tensor ops {c['ratio']:.2f} x best raw, one bucket op "
+              f"{c.get('ratio_bucket', float('nan')):.2f} x; goal <= 1.05 x best raw: "
+              f"{'MET' if r <= 1.05 else 'NOT MET'}")
     if "latency4" in res:
         lat = res["latency4"]
         print(f"blocking 4 B allreduce: mpidp median {fmt_time(lat['mpidp'])} "
               f"(p90 {fmt_time(lat['mpidp_p90'])}), raw {fmt_time(lat['raw'])} "
-              f"(p90 {fmt_time(lat['raw_p90'])}); goal <= 0.3 ms: "
-              f"{'MET' if lat['mpidp'] <= 0.3e-3 else 'NOT MET'}")
+              f"(p90 {fmt_time(lat['raw_p90'])}); goal <= 50 us: "
+              f"{'MET' if lat['mpidp'] <= 50e-6 else 'NOT MET'}")
     if "idle" in res:
         idle = res["idle"]
         worst = max(idle["engine_core_frac"])
@@ -406,12 +419,14 @@ def report(res):
                           f"{100 * b:.2f} %)" for i, (e, m, b) in
                           enumerate(zip(idle["engine_core_frac"], idle["mpidp_core_frac"],
                                         idle["baseline_core_frac"])))
-              + f"; goal < 2 %: {'MET' if worst < 0.02 else 'NOT MET'}")
+              + f"; goal < 0.2 %: {'MET' if worst < 0.002 else 'NOT MET'}")
     if "wake4" in res:
         w = res["wake4"]
         print(f"blocking 4 B allreduce after 0.2 s idle: median {fmt_time(w['median'])}, "
               f"max {fmt_time(w['max'])} over {len(w['samples'])} trials; raw the same way: "
-              f"median {fmt_time(w['raw_median'])}, max {fmt_time(w['raw_max'])}")
+              f"median {fmt_time(w['raw_median'])}, max {fmt_time(w['raw_max'])}; goal <= 2 x "
+              f"raw: {w['median'] / w['raw_median']:.2f} x "
+              f"{'MET' if w['median'] <= 2 * w['raw_median'] else 'NOT MET'}")
     sys.stdout.flush()
 
 

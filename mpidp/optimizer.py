@@ -119,6 +119,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.set_backward_passes_per_step(backward_passes_per_step)
         # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
         trained = [p for p in self._names if p.requires_grad]
+        self._frozen = [p for p in self._names if not p.requires_grad]
         self._buckets = _make_buckets(trained, self._names, self._make_groups(num_groups, groups),
                                       runtime.state().config.bucket_bytes)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
@@ -182,6 +183,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             per = -(-len(params) // num_groups)
             return {p: i // per for i, p in enumerate(params)}
         return {}
+
+    def _warn_unfrozen(self) -> None:
+        late = [self._names[p] for p in self._frozen if p.grad is not None]
+        if late:
+            warnings.warn(f"DistributedOptimizer: parameters {late[:5]} had requires_grad=False "
+                          f"when the optimizer was wrapped and have a gradient now; it is not "
+                          f"averaged across ranks. Wrap the optimizer after unfreezing them",
+                          UserWarning, stacklevel=3)
+            self._frozen = []  # once
 
     def _in_flight(self) -> bool:
         return any(b.handle is not None for b in self._buckets)
@@ -258,6 +268,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.handle is None:
                 self._submit(bucket)
+        if self._frozen:
+            self._warn_unfrozen()
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None

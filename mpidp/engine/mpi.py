@@ -82,6 +82,10 @@ class Comms:
         self.control = self.world.Dup()
         self.wake = self.world.Dup()
         self.local_sizes = self.world.allgather(self.local.Get_size())
+        # Marks this engine's wake-ups: a freed communicator's context id may come back in a
+        # later Dup, with an old wake-up still queued for it, which must not reach a new engine.
+        self.epoch = self.world.bcast(
+            int.from_bytes(os.urandom(7), "little") if self.rank == 0 else None, root=0)
 
     @property
     def homogeneous(self) -> bool:
@@ -145,30 +149,34 @@ _WAKE_TAG = 7
 
 
 class WakeBox:
-    """One posted receive for wake-up messages (two int64: cycle, flags), tested, never waited on.
-
-    Sends are non-blocking and kept until they complete, so a wake never blocks its sender.
+    """One posted receive for wake-up messages (three int64: epoch, cycle, flags), tested, never
+    waited on. Messages of another epoch (an earlier engine's) are dropped. Sends are
+    non-blocking and kept until they complete, so a wake never blocks its sender.
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, epoch: int):
         self.comm = comm
-        self._buf = np.zeros(2, dtype=np.int64)
-        self._recv = comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_WAKE_TAG)
+        self.epoch = epoch
+        self._buf = np.zeros(3, dtype=np.int64)
+        self._recv = self._post()
         self._sends = []
 
+    def _post(self):
+        return self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_WAKE_TAG)
+
     def take(self) -> list:
-        """Every (cycle, flags) received since the last call; re-posts the receive."""
+        """Every (cycle, flags) of this epoch received since the last call; re-posts."""
         got = []
         while self._recv.Test():
-            got.append((int(self._buf[0]), int(self._buf[1])))
-            self._recv = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE,
-                                         tag=_WAKE_TAG)
+            if int(self._buf[0]) == self.epoch:
+                got.append((int(self._buf[1]), int(self._buf[2])))
+            self._recv = self._post()
         return got
 
     def send(self, cycle: int, flags: int, ranks) -> None:
         """Send (cycle, flags) to each rank in `ranks`."""
         self._sends = [r for r in self._sends if not r.Test()]
-        msg = np.array([cycle, flags], dtype=np.int64)
+        msg = np.array([self.epoch, cycle, flags], dtype=np.int64)
         for rank in ranks:
             self._sends.append(self.comm.Isend([msg, MPI.INT64_T], dest=rank, tag=_WAKE_TAG))
 

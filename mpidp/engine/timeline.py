@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from .fusion import tensor_count
 from .messages import OP_NAMES
 
 _FLUSH_S = 0.25          # the writer wakes this often; a killed job loses at most this much
@@ -104,8 +105,11 @@ class Timeline:
         """A batch ran from `start` to `end`: one op span per tensor, phases nested in it."""
         names = [resp.name for resp in batch]
         op = OP_NAMES.get(batch[0].op, "op")
-        args = {"tensors": len(names), "bytes": nbytes,
+        args = {"tensors": tensor_count(batch), "bytes": nbytes,
                 "batch": names[:_MAX_TENSORS_IN_ARGS]}
+        if len(batch) == 1 and batch[0].request is not None and batch[0].request.parts:
+            # A bucket (one op over several tensors): one span, its tensors' shapes listed.
+            args["shapes"] = [list(s) for s in batch[0].request.parts[:_MAX_TENSORS_IN_ARGS]]
         phases, last = [], start
         for phase, when in self._marks:
             if when < start:

@@ -330,3 +330,164 @@ def test_objects_and_check_replicas():
                 model[2].bias.add_(1e-9)
         err = raises_all(mpidp.MpidpError, mpidp.check_replicas, model)
         assert_all(f"rank {mpidp.size() - 1}: 2.bias" in str(err), str(err))
+
+
+# ---- gradient buckets ----
+
+def _reinit(**knobs):
+    mpidp.shutdown()
+    mpidp.init(**knobs)
+
+
+def _train(model, steps=3, **opt_kw):
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(), **opt_kw)
+    for step in _data(steps=steps, micro=1):
+        opt.zero_grad()
+        for x, y in step:
+            F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+        run_all(opt.step)
+    return opt
+
+
+@pytest.mark.mpi
+def test_every_bucket_size_gives_the_same_parameters_bitwise():
+    """One op per parameter, tiny buckets and the default all reduce the same numbers in the same
+    order per element, so the trained parameters are bitwise equal, and equal the reference."""
+    results = []
+    try:
+        for cap in (0, 64, 200, 25 * 1024 * 1024):
+            run_all(_reinit, bucket_bytes=cap)
+            model = _model()
+            opt = _train(model)
+            results.append(_checksum(model))
+            sizes = [len(b.params) for b in opt._buckets]
+            trained = sum(1 for p in model.parameters() if p.requires_grad)
+            assert_all(sum(sizes) == trained and (cap != 0 or max(sizes) == 1),
+                       f"bucket_bytes={cap}: bucket sizes {sizes}")
+    finally:
+        run_all(_reinit)
+    assert_all(all(r == results[0] for r in results), f"checksums per bucket size: {results}")
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in _data(steps=3, micro=1):
+        ref_opt.zero_grad()
+        for x, y in step:
+            F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    model = _model()
+    _train(model)
+    assert_all(_close(model, ref) < 1e-10, f"deviation {_close(model, ref)}")
+
+
+@pytest.mark.mpi
+def test_buckets_follow_reverse_parameter_order_and_the_cap():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))  # 80, 16, 80, ...
+    try:
+        run_all(_reinit, bucket_bytes=100)
+        opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+        name_of = {p: n for n, p in model.named_parameters()}
+        got = [[name_of[p] for p in b.params] for b in opt._buckets]
+        names = [b.name for b in opt._buckets]
+    finally:
+        run_all(_reinit)
+    # Reverse order: 2.bias (8 B), 2.weight (32 B), 1.bias (16 B), 1.weight (64 B) ...
+    want = [["2.bias", "2.weight", "1.bias"], ["1.weight", "0.bias"], ["0.weight"]]
+    assert_all(got == want, f"buckets {got}, want {want}")
+    assert_all(names == ["2.bias+2", "1.weight+1", "0.weight"], f"names {names}")
+
+
+@pytest.mark.mpi
+def test_frozen_parameters_are_skipped():
+    """requires_grad=False when wrapped: no hook (torch would refuse one), never reduced, never
+    changed; the trained part equals the single-process reference."""
+    def build():
+        m = _model()
+        for p in m[0].parameters():
+            p.requires_grad_(False)
+        return m
+
+    model, ref = build(), build()
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in _data(steps=3, micro=1):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for x, y in step:
+            F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+            F.cross_entropy(ref(x), y).backward()
+        run_all(opt.step)
+        ref_opt.step()
+    same = all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
+    no_grad = all(p.grad is None for p in model[0].parameters())
+    err = _close(model, ref)
+    assert_all(same and no_grad and err < 1e-10, f"frozen kept {same}, no grad {no_grad}, "
+                                                 f"deviation {err}")
+    _assert_replicas_bitwise(model, "frozen backbone")
+
+
+@pytest.mark.mpi
+def test_all_parameters_frozen_is_a_no_op():
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    run_all(opt.step)
+    assert_all(opt._buckets == [], f"{opt._buckets}")
+
+
+@pytest.mark.mpi
+def test_second_backward_before_step_raises_naming_parameter_and_remedies():
+    model = _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    (x, y), = _data(steps=1, micro=1)[0]
+    F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+    err = ""
+    try:
+        F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+    except RuntimeError as exc:
+        err = str(exc)
+    words = ["parameter '", "another backward pass", "synchronize()", "backward_passes_per_step"]
+    assert_all(all(w in err for w in words), f"message {err!r} lacks one of {words}")
+    run_all(opt.step)  # what was submitted still completes; the next step works
+    opt.zero_grad()
+    F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+    run_all(opt.step)
+    _assert_replicas_bitwise(model, "after the refused backward")
+
+
+@pytest.mark.mpi
+def test_bucket_with_mixed_dtypes_splits_by_dtype():
+    model = nn.Sequential(nn.Linear(3, 3).double(), nn.Linear(3, 3).float())
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    kinds = [{p.dtype for p in b.params} for b in opt._buckets]
+    assert_all(all(len(k) == 1 for k in kinds) and len(kinds) == 2, f"{kinds}")
+    g = torch.Generator().manual_seed(mpidp.rank())
+    x = torch.randn(2, 3, dtype=torch.float64, generator=g)
+    model[1](model[0](x).float()).sum().backward()
+    run_all(opt.step)
+    _assert_replicas_bitwise(model, "mixed dtypes")
+
+
+@pytest.mark.mpi
+def test_unfreezing_after_wrapping_warns():
+    model = _model()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    for p in model[0].parameters():
+        p.requires_grad_(True)
+    (x, y), = _data(steps=1, micro=1)[0]
+    F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_all(opt.step)
+    text = " ".join(str(w.message) for w in caught)
+    assert_all("'0.weight'" in text and "not averaged" in text, f"warnings: {text!r}")
