@@ -20,17 +20,19 @@ and, from mpidp's stats_window() (mpidp.observe) around rank 0's timed steps (mp
     MB_per_step    bytes reduced per step (the gradients; the same for every size)
     tensors/coll   gradients carried per collective: how much fusion the size allowed
 
-What S sets. mpidp has two fusion knobs (mpidp/config.py, mpidp/engine/fusion.py): allreduces
-ready in the same engine cycle and smaller than `fuse_below_bytes` are packed into buffers of at
-most `fusion_threshold_bytes`; larger ones are reduced alone, in place (in `chunk_bytes` pieces).
-mpidp's defaults (4 MiB buffers, only tensors under 64 KiB fused) come from this machine's
-numbers. This sweep moves both together, as one bucket size in the manner of Horovod's
+What S sets. mpidp has three size knobs (mpidp/config.py): DistributedOptimizer groups
+gradients into buckets of at most `bucket_bytes`, each bucket one engine operation submitted when
+its last gradient is ready; inside the data path (mpidp/engine/fusion.py) a bucket's parts and
+other allreduces smaller than `fuse_below_bytes` are packed into buffers of at most
+`fusion_threshold_bytes`, and larger ones are reduced alone, in place (in `chunk_bytes` pieces).
+This sweep moves all three together, as one bucket size in the manner of Horovod's
 HOROVOD_FUSION_THRESHOLD and DDP's bucket_cap_mb:
 
-    mpidp.init(fusion_threshold_bytes=S, fuse_below_bytes=max(S, 1))
+    mpidp.init(bucket_bytes=S, fusion_threshold_bytes=S, fuse_below_bytes=max(S, 1))
 
-so every gradient smaller than S may share a buffer of at most S bytes, and gradients of S bytes
-or more go alone. S = 0 turns fusion off: one allreduce per gradient. The knobs are read once by
+so gradients are submitted in buckets of at most S bytes, every gradient smaller than S may share
+a buffer of at most S bytes, and gradients of S bytes or more go alone. S = 0 turns bucketing and
+fusion off: one operation and one allreduce per gradient. The knobs are read once by
 init(), so each setting runs on a fresh engine: mpidp.shutdown(), then init() with the new
 values. `--chunk-bytes` (default: mpidp's) applies to every setting; it also cuts fusion buffers
 larger than itself into pieces.
@@ -154,9 +156,11 @@ def build(args):
 
 
 def init_engine(size_bytes, args):
-    """A fresh engine whose fusion buffers hold at most `size_bytes` (0: no fusion)."""
+    """A fresh engine whose buckets and fusion buffers hold at most `size_bytes` (0: one
+    operation and one allreduce per gradient)."""
     mpidp.shutdown()
-    knobs = {"fusion_threshold_bytes": size_bytes, "fuse_below_bytes": max(size_bytes, 1)}
+    knobs = {"bucket_bytes": size_bytes, "fusion_threshold_bytes": size_bytes,
+             "fuse_below_bytes": max(size_bytes, 1)}
     if args.chunk_bytes is not None:
         knobs["chunk_bytes"] = args.chunk_bytes
     mpidp.init(**knobs)

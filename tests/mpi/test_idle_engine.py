@@ -39,11 +39,14 @@ def test_an_idle_engine_runs_no_cycles():
 @pytest.mark.mpi
 def test_blocking_op_runs_on_the_callers_thread_when_idle():
     """A blocking allreduce on an idle engine is driven by the caller (no hand-off): the engine
-    thread stays asleep and the result is exact."""
+    thread stays asleep and the result is exact. The sleeping engine thread takes the cycle lock
+    for a moment every WAKE_POLL_S to test for wake-ups; an op submitted in that moment is run
+    by the engine thread instead (correct, only slower), so most ops, not all, must show it."""
     name = "test_blocking_op_runs_on_the_callers_thread_when_idle"
     eng = _engine()
-    seen = []
     original = eng._cycle
+    ops, on_caller, bad = 10, 0, []
+    seen = []
 
     def spy():
         import threading
@@ -52,12 +55,18 @@ def test_blocking_op_runs_on_the_callers_thread_when_idle():
 
     eng._cycle = spy
     try:
-        out = run_all(mpidp.allreduce, torch.full((3,), float(rank())), op=mpidp.Sum, name=name)
+        for i in range(ops):
+            seen.clear()
+            out = run_all(mpidp.allreduce, torch.full((3,), float(rank() + i)), op=mpidp.Sum,
+                          name=f"{name}.{i}")
+            want = float(sum(range(size())) + i * size())
+            if out.tolist() != [want] * 3:
+                bad.append((i, out.tolist()))
+            on_caller += bool(seen) and all(t == "MainThread" for t in seen)
     finally:
         del eng._cycle
-    want = float(sum(range(size())))
-    assert_all(out.tolist() == [want] * 3, f"{out}")
-    assert_all(seen and all(t == "MainThread" for t in seen), f"cycles ran on {seen}")
+    assert_all(not bad, f"wrong results: {bad}")
+    assert_all(on_caller >= ops - 2, f"only {on_caller} of {ops} ops ran on the caller's thread")
 
 
 @pytest.mark.mpi(min_size=2)
