@@ -34,6 +34,7 @@ class Engine:
         self.stats = EngineStats()
         self.neg = Negotiator(comms, config, self.stats)
         self.backend = make_backend(comms, config)
+        self.backend.busy = self._user_waits
         self._batch_bytes = BatchBytes(fusion.nbytes)
         # The knobs autotune may change; every rank changes them at the same cycle.
         self.fusion_threshold_bytes = config.fusion_threshold_bytes
@@ -116,6 +117,10 @@ class Engine:
             self._lock.release()
             if self.queue.ops or self._reason is not None or self._stop:
                 self.queue.notify()  # the engine thread carries on with what remains
+
+    def _user_waits(self) -> bool:
+        """A user thread is blocked on a result (or drives the engine): the CPU is ours."""
+        return self._spin or self.waiters > 0
 
     # ---- engine thread ----
 
@@ -210,7 +215,7 @@ class Engine:
         # Spin for the peers only while a user thread is blocked on a result: during a backward
         # pass the CPU belongs to the gradients still being computed.
         responses, stopped, params = self.neg.negotiate(
-            self.queue.ops, lambda: self._stop, self._spin or self.waiters > 0, self._tune,
+            self.queue.ops, lambda: self._stop, self._user_waits(), self._tune,
             lambda: self.timeline)
         if stopped:
             self._halt(EngineShutdownError(self._stop_reason()))

@@ -32,6 +32,8 @@ def plan(responses: List[Response], fuse_below_bytes: int,
     place saves two copies). A multi-tensor allreduce (a bucket) is a batch of its own, whose
     parts the data path groups with `part_groups`.
     """
+    if len(responses) == 1:
+        return [responses]
     batches: List[List[Response]] = []
     open_batch: Dict[tuple, int] = {}
     open_bytes: Dict[tuple, int] = {}

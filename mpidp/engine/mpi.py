@@ -25,7 +25,7 @@ _SLEEP_MAX_S = 1e-3
 
 
 def mpi_op(reduce_op: int, is_bool: bool):
-    return (_BOOL_OPS if is_bool else _MPI_OPS)[ReduceOp(reduce_op)]
+    return (_BOOL_OPS if is_bool else _MPI_OPS)[reduce_op]  # IntEnum keys: an int finds them
 
 
 def wait(request, spin: bool = True, poll=None) -> None:
@@ -189,9 +189,9 @@ class WakeBox:
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
 
-def allreduce_band(comm, vec: np.ndarray, spin: bool = True, poll=None) -> None:
-    """Bitwise AND of a uint64 vector across ranks, in place; `poll` as in wait()."""
-    wait(comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND), spin, poll)
+def allreduce_band(comm, band: bytearray, spin: bool = True, poll=None) -> None:
+    """Bitwise AND of a buffer of uint64 words across ranks, in place; `poll` as in wait()."""
+    wait(comm.Iallreduce(MPI.IN_PLACE, [band, MPI.UINT64_T], op=MPI.BAND), spin, poll)
 
 
 def gather_objects(comm, obj, root: int) -> Optional[list]:
@@ -226,9 +226,26 @@ def bcast_object(comm, obj, root: int):
 
 # ---- data path on host memory (blocking: after negotiation every rank is in step) ----
 
-def allreduce(comm, send: Optional[np.ndarray], recv: np.ndarray, op) -> None:
-    """Allreduce into `recv`; `send=None` means in place."""
-    comm.Allreduce(MPI.IN_PLACE if send is None else send, recv, op=op)
+def allreduce(comm, send: Optional[np.ndarray], recv: np.ndarray, op, busy=None) -> None:
+    """Allreduce into `recv`; `send=None` means in place.
+
+    MPICH's blocking wait busy-polls a core until the peers arrive. That is fastest when a user
+    thread waits for the result, but during a backward pass the spin takes a core from the
+    gradients still being computed (and from the other ranks' on a full node). So unless
+    `busy()` says a user waits, test and yield the core between tests, switching to the
+    blocking wait as soon as `busy()` turns true. Always non-blocking: MPI does not match a
+    blocking collective with a non-blocking one, and ranks may decide differently; here
+    Iallreduce + Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md).
+    """
+    request = comm.Iallreduce(MPI.IN_PLACE if send is None else send, recv, op=op)
+    if busy is None or busy():
+        request.Wait()
+        return
+    while not request.Test():
+        if busy():
+            request.Wait()
+            return
+        os.sched_yield()
 
 
 def allgatherv(comm, send: np.ndarray, recv: np.ndarray, counts) -> None:

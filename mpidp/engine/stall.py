@@ -27,12 +27,13 @@ class StallInspector:
 
     def should_raise(self, oldest_age: float) -> bool:
         """Whether this rank should ask for a stall check now (rate-limited)."""
-        if not self.enabled() or oldest_age <= 0:
+        w, s = self.warning_s, self.shutdown_s
+        # Past the smallest positive limit iff past some positive limit (checked every cycle).
+        if oldest_age <= 0 or not (0 < w <= oldest_age or 0 < s <= oldest_age):
             return False
-        limits = [t for t in (self.warning_s, self.shutdown_s) if t > 0]
-        threshold = min(limits)
+        threshold = min(t for t in (w, s) if t > 0)
         now = time.monotonic()
-        if oldest_age >= threshold and now - self._last_raise >= min(1.0, threshold / 2):
+        if now - self._last_raise >= min(1.0, threshold / 2):
             self._last_raise = now
             return True
         return False

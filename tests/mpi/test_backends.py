@@ -206,3 +206,32 @@ def test_session_backend_runs_the_ops():
     got = mpidp.allreduce(t, op=mpidp.Sum, name="test_session_backend_runs_the_ops")
     want = sum(values((33,), torch.int32, r) for r in range(SIZE))
     assert_all(torch.equal(got, want), f"{got} vs {want}")
+
+
+@pytest.mark.mpi
+def test_data_allreduce_completes_whether_or_not_a_user_waits():
+    """mpi.allreduce tests and yields while nobody waits and waits outright once someone does;
+    ranks that decide differently (one waits, one yields, one switches half-way) still match,
+    since the call itself is the same non-blocking collective everywhere."""
+    import numpy as np
+
+    from mpidp.engine import mpi as mpi_mod
+    comm = MPI.COMM_WORLD.Dup()
+    calls = []
+
+    def switching():  # yields a few times, then a user "arrives"
+        calls.append(1)
+        return len(calls) > 3
+
+    policies = [None, lambda: True, lambda: False, switching]
+    bad = []
+    for i in range(3):
+        busy = policies[(RANK + i) % len(policies)]
+        for n in (1, 1000, 300_000):
+            a = np.full(n, float(RANK + 1), dtype=np.float32)
+            mpi_mod.allreduce(comm, None, a, MPI.SUM, busy)
+            want = SIZE * (SIZE + 1) / 2
+            if not np.all(a == want):
+                bad.append((i, n, float(a[0]), want))
+    comm.Free()
+    assert_all(not bad, f"wrong sums: {bad}")

@@ -39,6 +39,22 @@ def available() -> Dict[str, Optional[bool]]:
     }
 
 
+class _Shared:
+    """An attribute of Dispatch that reads from the first innermost path and sets on all."""
+
+    def __init__(self, attr: str):
+        self.attr = attr
+
+    def __get__(self, dispatch, owner=None):
+        if dispatch is None:
+            return self
+        return getattr(next(dispatch._innermost(), None), self.attr, None)
+
+    def __set__(self, dispatch, value) -> None:
+        for backend in dispatch._innermost():
+            setattr(backend, self.attr, value)
+
+
 class Dispatch:
     """Routes each batch to the backend for its device kind ('cpu' or 'cuda')."""
 
@@ -46,17 +62,16 @@ class Dispatch:
         self.routes = routes  # device kind -> backend
         self.names = names    # device kind -> human-readable path name (logs, doctor)
 
-    @property
-    def timeline_mark(self):
-        return getattr(next(iter(self.routes.values()), None), "timeline_mark", None)
-
-    @timeline_mark.setter
-    def timeline_mark(self, mark) -> None:
-        """The engine's phase recorder (None: no timeline), handed to every path underneath."""
+    def _innermost(self):
         for backend in self.routes.values():
             while hasattr(backend, "inner"):
                 backend = backend.inner
-            backend.timeline_mark = mark
+            yield backend
+
+    # What the engine hands to every path underneath: its phase recorder (None: no timeline),
+    # and busy() (true while a user thread waits for a result).
+    timeline_mark = _Shared("timeline_mark")
+    busy = _Shared("busy")
 
     def execute(self, batch: List, entries: List, *fusion_limits) -> list:
         """Run one batch on its device's path. Synchronization: that path's collectives."""
@@ -69,11 +84,8 @@ class Dispatch:
 
     def close(self) -> None:
         """Release process groups (local). Call once, after the engine's last batch."""
-        unique = {}
-        for backend in self.routes.values():
-            while hasattr(backend, "inner"):  # wrappers (cuda.py) own nothing themselves
-                backend = backend.inner
-            unique[id(backend)] = backend
+        # Wrappers (cuda.py) own nothing themselves; one path may serve several kinds.
+        unique = {id(backend): backend for backend in self._innermost()}
         for backend in unique.values():
             backend.close()
 

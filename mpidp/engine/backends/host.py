@@ -36,9 +36,12 @@ _BYTES_VIEW = {torch.bfloat16: torch.int16}
 def _np(t: torch.Tensor):
     """A flat buffer MPI can read that shares memory with `t`: a numpy view of a host tensor,
     the flat tensor itself (read through `__cuda_array_interface__`) for a CUDA one."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     view = _BYTES_VIEW.get(t.dtype)
-    flat = (t.view(view) if view is not None else t).reshape(-1)
+    if view is not None:
+        t = t.view(view)
+    flat = t if t.dim() == 1 else t.reshape(-1)
     if flat.is_cuda:
         # MPI is not ordered with CUDA streams: finish the kernels that wrote this memory.
         torch.cuda.current_stream(flat.device).synchronize()
@@ -96,6 +99,7 @@ class HostBackend:
         self._planner = fusion.PartPlanner()
         self.hierarchical = self._hierarchy_usable(comms, config)
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
+        self.busy = None  # set by the engine: busy() is true while a user thread waits
 
     def close(self) -> None:
         """Nothing to release: the communicators belong to Comms."""
@@ -121,7 +125,7 @@ class HostBackend:
         Synchronization: blocking collectives on world, or on local, cross and local again.
         """
         if not self.hierarchical:
-            mpi.allreduce(self.comm, send, recv, op)
+            mpi.allreduce(self.comm, send, recv, op, self.busy)
             return
         local = self.comms.local
         lsize = local.Get_size()
@@ -143,7 +147,7 @@ class HostBackend:
         scale_after(out, req, self.size)
 
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
-        """Allreduce a flat tensor into `recv` (in place when send is None), then scale it.
+        """Allreduce a contiguous tensor into `recv` (in place when send is None), then scale it.
 
         Large tensors go in cache-sized chunks, each scaled right after its reduction while it
         is still in cache: a separate scaling pass over a big tensor costs as much as a copy.
@@ -157,6 +161,7 @@ class HostBackend:
             self._allreduce(send_np, recv_np, op)
             self._scale_after(recv, req)
             return
+        recv = recv.view(-1)  # the chunks below are flat slices
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             self._allreduce(None if send_np is None else send_np[lo:hi], recv_np[lo:hi], op)
@@ -176,7 +181,7 @@ class HostBackend:
                 self.timeline_mark("mpi")
             out.copy_(work)
             return
-        self._reduce_flat(None if out is src else src.reshape(-1), out.view(-1), req)
+        self._reduce_flat(None if out is src else src, out, req)
         if self.timeline_mark:
             self.timeline_mark("mpi")
 

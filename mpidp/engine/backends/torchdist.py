@@ -110,8 +110,9 @@ class ProcessGroupBackend(HostBackend):
     # ---- allreduce: HostBackend's packing and scaling, this reduction ----
 
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
+        recv = recv.view(-1)  # gloo wants at least one dimension; callers may pass any shape
         if send is not None:
-            recv.copy_(send)
+            recv.copy_(send.view(-1))
         is_bool = recv.dtype == torch.bool
         if is_bool:
             work = recv.view(_BYTE)
