@@ -99,6 +99,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
                             f"{type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            # Two wrappers would hook every parameter twice, and the second submission of a
+            # gradient would be refused as "already in flight", which hides the real mistake.
+            raise ValueError("DistributedOptimizer: this optimizer is already a "
+                             "DistributedOptimizer; wrap the plain torch optimizer once (pass "
+                             "`opt` rather than `DistributedOptimizer(opt)`)")
         op = ops._resolve_op(None, op, "DistributedOptimizer")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
@@ -131,6 +137,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in trained]
 
     # ---- attribute pass-through ----
+
+    @property
+    def _parameter_names(self) -> Dict[torch.nn.Parameter, str]:
+        """Parameter -> the name its gradient is reduced under: the map Horovod's optimizer
+        keeps under this name, which some scripts read."""
+        return self._names
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_opt"], name)

@@ -491,3 +491,28 @@ def test_unfreezing_after_wrapping_warns():
         run_all(opt.step)
     text = " ".join(str(w.message) for w in caught)
     assert_all("'0.weight'" in text and "not averaged" in text, f"warnings: {text!r}")
+
+
+@pytest.mark.mpi
+def test_parameter_names_map_as_horovod_keeps_it():
+    """`opt._parameter_names` maps each parameter to its name, as Horovod's optimizer does
+    (scripts read it); without named_parameters the names are Horovod's automatic ones."""
+    model = _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    want = {p: n for n, p in model.named_parameters()}
+    got = opt._parameter_names
+    ok = len(got) == len(want) and all(got[p] == n for p, n in want.items())
+    plain = mpidp.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
+    auto = sorted(plain._parameter_names.values())
+    assert_all(ok, f"{got} != {want}")
+    assert_all(auto == sorted(f"allreduce.noname.0.{j}" for j in range(4)), f"{auto}")
+
+
+@pytest.mark.mpi
+def test_wrapping_twice_says_so():
+    model = _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    raises_all(ValueError, mpidp.DistributedOptimizer, opt,
+               named_parameters=model.named_parameters(), match="already a DistributedOptimizer")

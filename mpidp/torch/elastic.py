@@ -1,0 +1,3 @@
+"""Horovod's `horovod.torch.elastic`: state, sampler, retry loop (code in mpidp/elastic.py)."""
+
+from mpidp.elastic import ElasticSampler, ObjectState, State, TorchState, run  # noqa: F401

@@ -1,0 +1,3 @@
+"""Horovod's `horovod.torch.optimizer`: the distributed optimizer (code in mpidp/optimizer.py)."""
+
+from mpidp.optimizer import DistributedOptimizer  # noqa: F401

@@ -1,0 +1,3 @@
+"""Horovod's `horovod.torch.sync_batch_norm`: batch norm over all ranks (mpidp/sync_batch_norm.py)."""
+
+from mpidp.sync_batch_norm import SyncBatchNorm  # noqa: F401
