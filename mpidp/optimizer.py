@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import ops, runtime
-from .process_sets import member_of
+from .process_sets import is_outside, member_of
 from .compression import Compression
 from .ops import Average, Sum
 
@@ -111,8 +111,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if gradient_predivide_factor <= 0:
             raise ValueError("gradient_predivide_factor must be > 0")
         self.__dict__["_opt"] = optimizer
-        # Refused here, not at the first backward, if this rank is not in the set.
-        self._set_size = member_of(process_set, "DistributedOptimizer")[1].size
+        # A rank outside the set does what Horovod does there: no hooks, synchronize() does
+        # nothing, step() applies the local gradients. Any other bad set is refused here.
+        self._outside = is_outside(process_set)
+        self._set_size = 1 if self._outside else \
+            member_of(process_set, "DistributedOptimizer")[1].size
         self._process_set = process_set
         self._names = _named(optimizer, named_parameters)
         self._compression = compression
@@ -124,8 +127,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
         # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
-        trained = [p for p in self._names if p.requires_grad]
-        self._frozen = [p for p in self._names if not p.requires_grad]
+        trained = [p for p in self._names if p.requires_grad and not self._outside]
+        self._frozen = [p for p in self._names if not p.requires_grad and not self._outside]
         self._buckets = _make_buckets(trained, self._names, self._make_groups(num_groups, groups),
                                       runtime.state().config.bucket_bytes)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}

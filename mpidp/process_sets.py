@@ -107,6 +107,16 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+def is_outside(process_set) -> bool:
+    """Whether `process_set` is registered and this rank is not one of its members."""
+    if process_set is None or not runtime.is_initialized():
+        return False
+    st = runtime.state()
+    sid = getattr(process_set, "process_set_id", process_set)
+    return (isinstance(sid, int) and not isinstance(sid, bool) and sid in st.sets
+            and sid not in st.members)
+
+
 def member_of(process_set, what: str):
     """(state, member) for an op on `process_set` (None: global); clear errors otherwise."""
     st = runtime.state()

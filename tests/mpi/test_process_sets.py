@@ -180,11 +180,43 @@ def test_distributed_optimizer_on_a_set(evens_odds):
     assert_all(same and differ, "set members diverged, or the sets were reduced together")
 
 
-def test_distributed_optimizer_refuses_a_set_this_rank_is_not_in(evens_odds):
-    _, other = _mine(*evens_odds)
-    model = torch.nn.Linear(2, 2)
-    raises_all(ValueError, mpidp.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=1),
-               process_set=other, match="is not in process set")
+def test_distributed_optimizer_outside_its_set_steps_on_local_gradients(evens_odds):
+    """As in Horovod: on a rank outside the set the optimizer hooks nothing, synchronize() does
+    nothing and step() applies this rank's own gradients; the members reduce among themselves."""
+    evens, _ = evens_odds
+    rank, _ = _world()
+    torch.manual_seed(0)
+    model, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                     named_parameters=model.named_parameters(),
+                                     process_set=evens)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    data = torch.full((3, 4), float(rank + 1))
+
+    def step():
+        opt.zero_grad()
+        model(data).pow(2).sum().backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            opt.step()
+        ref_opt.zero_grad()
+        ref(data).pow(2).sum().backward()
+        ref_opt.step()
+    for _ in range(2):
+        run_all(step)
+    local = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    hooks = len(opt._hooks)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    views = gather(flat)
+    if rank % 2:
+        ok, msg = local and hooks == 0, f"outside: local step {local}, {hooks} hooks"
+    else:
+        members = [r for r in range(len(views)) if r % 2 == 0]
+        same = all(views[r] == views[0] for r in members)
+        ok = same and (len(members) == 1 or not local)
+        msg = f"members identical {same}, equal to a local step {local}"
+    assert_all(ok, msg)
 
 
 def test_ranks_that_disagree_fail_every_rank():
