@@ -1,8 +1,9 @@
 """Every knob of mpidp, defined once: field, environment variable, type, default and why."""
 
 import dataclasses
+import difflib
 import os
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 
@@ -237,6 +238,34 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
             raise ConfigError(f"{field}={value!r} is not valid: {exc}. {knob.doc}") from None
         explicit.add(field)
     return Config(explicit=frozenset(explicit), **values)
+
+
+# Variables of ours that are not knobs: the Slurm batch scripts in examples/slurm read them.
+SCRIPT_VARIABLES = ("MPIDP_VENV", "MPIDP_PYTHON", "MPIDP_TRAIN", "MPIDP_MPIRUN")
+
+
+def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[Tuple[str, str]]:
+    """(variable, what to say) for every MPIDP_* or HOROVOD_* variable that is not a knob:
+    a misspelling is otherwise ignored without a word. Names the closest knob's variable."""
+    env = os.environ if env is None else env
+    known = {v for k in KNOBS for v in (k.env, k.horovod) if v}
+    out = []
+    for var in sorted(env):
+        if not var.startswith(("MPIDP_", "HOROVOD_")) or var in known \
+                or var in SCRIPT_VARIABLES:
+            continue
+        # Compared without the prefix, which would make every HOROVOD_* name look alike.
+        prefix, rest = var.split("_", 1)
+        score, _, close = max((difflib.SequenceMatcher(None, rest, k.split("_", 1)[1]).ratio(),
+                               k.startswith(prefix), k) for k in sorted(known))
+        if score >= 0.75:
+            what = f"not an mpidp knob, and ignored; did you mean {close}?"
+        elif var.startswith("HOROVOD_"):
+            what = "a Horovod setting mpidp does not have; ignored"
+        else:
+            what = "not an mpidp knob, and ignored (`python -m mpidp doctor` lists the knobs)"
+        out.append((var, what))
+    return out
 
 
 def describe() -> str:

@@ -10,7 +10,7 @@ from typing import List, Optional
 from . import config as _config
 from .errors import ConfigError, MpidpError
 
-_OK, _INFO, _FAIL = "ok", "info", "FAIL"
+_OK, _INFO, _WARN, _FAIL = "ok", "info", "warn", "FAIL"
 # Rank variables the launchers set; only used to pick the printing rank when init() failed.
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
@@ -63,6 +63,8 @@ def _check_knobs(report: Report) -> Optional[_config.Config]:
     except ConfigError as exc:
         report.add(_FAIL, "knobs", f"{exc}")
         return None
+    for var, what in _config.unknown_variables():
+        report.add(_WARN, "unknown variable", f"{var}={os.environ[var]!r} is {what}")
     set_knobs = [k for k in _config.KNOBS if k.field in cfg.explicit]
     if not set_knobs:
         report.add(_OK, "knobs", "none set; every knob has its default")

@@ -326,6 +326,9 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         _configure_log(comms.rank, comms.size, cfg.log_level)
         _install_abort_hook(cfg.abort_on_error)
         _warn_lonely_world(comms.size)
+        if comms.rank == 0:  # once per job: the ranks of a job share their environment
+            for var, what in _config.unknown_variables():
+                logger.warning("%s=%r is %s", var, os.environ[var], what)
         homogeneous = len(set(comms.local_sizes)) == 1
         engine = Engine(comms, cfg)
         st = _State(comms, engine, cfg, homogeneous, admin)

@@ -42,6 +42,21 @@ def test_doctor_under_mpiexec_runs_the_smoke_test_and_only_rank_0_prints():
     assert out.count("all checks passed") == 1, out
 
 
+def test_misspelled_knobs_are_named_by_init_once_and_by_doctor():
+    env = {"MPIDP_FUSION_TRESHOLD_BYTES": "1024", "HOROVOD_GPU_OPERATIONS": "NCCL"}
+    res = run(2, "-c", "import mpidp; mpidp.init(); mpidp.shutdown()", env=env)
+    assert res.returncode == 0, res.output
+    typo = ("MPIDP_FUSION_TRESHOLD_BYTES='1024' is not an mpidp knob, and ignored; did you mean "
+            "MPIDP_FUSION_THRESHOLD_BYTES?")
+    assert res.output.count(typo) == 1, res.output  # once per job, not once per rank
+    assert res.output.count("HOROVOD_GPU_OPERATIONS='NCCL' is a Horovod setting mpidp does "
+                            "not have; ignored") == 1, res.output
+    doc = _doctor(2, env=env)
+    assert doc.returncode == 0, doc.output  # a warning, not a failure
+    assert f"[warn] unknown variable: {typo}" in doc.stdout, doc.output
+    assert "knobs: none set" in doc.stdout, doc.output
+
+
 def test_doctor_reports_a_malformed_knob_and_fails():
     res = _doctor(2, env={"MPIDP_FUSION_THRESHOLD_BYTES": "lots"})
     assert res.returncode != 0, res.output

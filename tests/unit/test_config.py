@@ -231,3 +231,17 @@ def test_malformed_override_raises_config_error(field, value):
 def test_infinite_sleep_time_is_rejected(var):
     with pytest.raises(ConfigError, match=var):
         config.load({var: "inf"})
+
+
+def test_unknown_variables_name_the_closest_knob():
+    env = {"MPIDP_CYCLE_TIME_MS": "1", "MPIDP_CYCLETIME_MS": "1", "HOROVOD_FUSION_THRESHOLD": "1",
+           "HOROVOD_FUSION_THRESHHOLD": "2", "HOROVOD_GPU_OPERATIONS": "NCCL",
+           "MPIDP_ZZZ": "1", "MPIDP_VENV": "/v", "PATH": "/bin"}
+    got = dict(config.unknown_variables(env))
+    assert set(got) == {"MPIDP_CYCLETIME_MS", "HOROVOD_FUSION_THRESHHOLD",
+                        "HOROVOD_GPU_OPERATIONS", "MPIDP_ZZZ"}, got
+    assert got["MPIDP_CYCLETIME_MS"].endswith("did you mean MPIDP_CYCLE_TIME_MS?")
+    assert got["HOROVOD_FUSION_THRESHHOLD"].endswith("did you mean HOROVOD_FUSION_THRESHOLD?")
+    assert got["HOROVOD_GPU_OPERATIONS"] == "a Horovod setting mpidp does not have; ignored"
+    assert "doctor" in got["MPIDP_ZZZ"]
+    assert config.unknown_variables({}) == []
