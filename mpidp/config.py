@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 from .errors import ConfigError
 
 MiB = 1024 * 1024
+TIMELINE_DYNAMIC = "DYNAMIC"  # timeline_path meaning "no file until start_timeline()"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,8 @@ KNOBS: Tuple[Knob, ...] = (
          "whole job (MPI_Abort) so no other rank waits for it forever; 0 turns this off.",
          must_agree=False),
     Knob("timeline_path", "MPIDP_TIMELINE", _path, "",
-         "Rank 0 writes a Chrome-trace JSON timeline of every op to this file; empty: none.",
+         "Rank 0 writes a Chrome-trace JSON timeline of every op to this file; empty: none. "
+         "DYNAMIC (as in Horovod): none until start_timeline() is called.",
          horovod="HOROVOD_TIMELINE", must_agree=False),
     Knob("timeline_mark_cycles", "MPIDP_TIMELINE_MARK_CYCLES", _parse_bool, False,
          "Also mark each engine cycle in the timeline.", horovod="HOROVOD_TIMELINE_MARK_CYCLES",

@@ -6,6 +6,7 @@ import time
 import traceback
 from typing import List, Optional
 
+from ..config import TIMELINE_DYNAMIC
 from ..errors import EngineShutdownError, MismatchError
 from ..log import logger
 from . import autotune, fusion
@@ -45,7 +46,7 @@ class Engine:
         self._tune = None  # parameters rank 0 sends at the next coordinator cycle
         self.switches: List[tuple] = []  # (cycle, parameters) of every autotune switch
         self.timeline: Optional[Timeline] = None  # rank 0 only; swapped by start/stop_timeline
-        if config.timeline_path and set_id == 0 and self.rank == 0:
+        if config.timeline_path not in ("", TIMELINE_DYNAMIC) and set_id == 0 and self.rank == 0:
             try:
                 self.timeline = Timeline(config.timeline_path, config.timeline_mark_cycles)
             except OSError as exc:  # raising here would leave the other ranks' engines waiting

@@ -178,3 +178,30 @@ def test_timeline_knob_at_init_is_closed_by_shutdown(shared_dir):
         mpidp.init()
     problems = _check_content(path, names, mark_cycles=True) if mpidp.rank() == 0 else ""
     assert_all(not problems, problems)
+
+
+@pytest.mark.parametrize("var", ["MPIDP_TIMELINE", "HOROVOD_TIMELINE"])
+def test_timeline_dynamic_writes_nothing_until_started(shared_dir, var, monkeypatch):
+    """As in Horovod: DYNAMIC starts no timeline (and makes no file named DYNAMIC); a later
+    start_timeline() records as usual."""
+    cwd = os.getcwd()
+    os.chdir(shared_dir)  # where a file named DYNAMIC would appear
+    monkeypatch.setenv(var, "DYNAMIC")
+    path = os.path.join(shared_dir, "later.json")
+    mpidp.shutdown()
+    try:
+        mpidp.init()
+        attached = runtime.state().engine.timeline is not None
+        run_all(mpidp.allreduce, torch.ones(2), name="tl.dyn.before")
+        made = os.path.exists(os.path.join(shared_dir, "DYNAMIC"))
+        run_all(mpidp.start_timeline, path)
+        names = run_all(_ops, "tl.dyn")
+        run_all(mpidp.stop_timeline)
+    finally:
+        monkeypatch.delenv(var)
+        mpidp.shutdown()
+        mpidp.init()
+        os.chdir(cwd)
+    assert_all(not attached and not made, f"timeline attached {attached}, DYNAMIC file {made}")
+    problems = _check_content(path, names, mark_cycles=False) if mpidp.rank() == 0 else ""
+    assert_all(not problems, problems)
