@@ -9,7 +9,7 @@ from typing import List, Optional
 from ..config import TIMELINE_DYNAMIC
 from ..errors import EngineShutdownError, MismatchError
 from ..log import logger
-from . import autotune, fusion
+from . import autotune, fusion, mpi
 from .backends import make_backend
 from .messages import JOIN_NAME, OpType, Response
 from .protocol import WAKE_POLL_S, Negotiator
@@ -290,9 +290,17 @@ class Engine:
             try:
                 results = self.backend.execute(batch, entries, self.fuse_below_bytes,
                                                self.fusion_threshold_bytes)
-            except Exception as exc:  # a bad buffer fails its ops, not the engine
+            except Exception as exc:
+                if self.size > 1:
+                    # The peers may be inside this batch's collective, which this rank will
+                    # never enter or finish: failing the op here alone would leave them
+                    # waiting forever (whatever abort_on_error says), so the job ends.
+                    mpi.abort_job(f"{batch[0].name!r}: the data path failed on rank "
+                                  f"{self.rank} with {type(exc).__name__}: {exc}; the other "
+                                  f"ranks of this collective cannot finish it, so every rank "
+                                  f"of the job is ended:\n{traceback.format_exc().rstrip()}")
                 logger.error("%s failed:\n%s", batch[0].name, traceback.format_exc())
-                for entry in entries:
+                for entry in entries:  # alone, a bad buffer fails its ops, not the engine
                     self._complete(entry, error=EngineShutdownError(
                         f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))
                 continue

@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import ConfigError
+from ..log import logger
 from .messages import ReduceOp
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
@@ -185,6 +186,15 @@ class WakeBox:
         self._recv.Cancel()
         self._recv.Wait()
         self._sends = [r for r in self._sends if not r.Test()]
+
+
+def abort_job(message: str, grace_s: float = 0.3) -> None:
+    """Log `message` (critical), give the launcher `grace_s` to forward it, then end every rank
+    of the job: for failures that leave peers inside a collective. Does not return."""
+    logger.critical(message)
+    time.sleep(grace_s)  # the launcher stops forwarding output once it tears the job down
+    MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # MPICH's Abort may return while the launcher ends the job
 
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----

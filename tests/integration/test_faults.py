@@ -79,3 +79,16 @@ def test_engine_failure_fails_later_ops_and_ends_the_job():
     assert ("rank 1: later op failed: mpidp's engine failed on rank 1: OSError: injected "
             "engine failure") in res.stdout, res.output
     assert "finished" not in res.stdout
+
+
+@pytest.mark.parametrize("abort_on_error", ["1", "0"])
+def test_data_path_failure_on_one_rank_ends_the_job(abort_on_error):
+    """Rank 1 fails while packing a fusion buffer, and its script even catches the error and
+    carries on: the peers are inside (or about to enter) the collective rank 1 never joins, so
+    the job must end, saying why, whatever MPIDP_ABORT_ON_ERROR says."""
+    res, secs = _launch(3, "datapath", 1, env={"MPIDP_ABORT_ON_ERROR": abort_on_error})
+    assert res.returncode != 0, res.output
+    assert secs < BOUND_S, f"job took {secs:.1f} s to end after the failure:\n{res.output}"
+    assert ("the data path failed on rank 1 with MemoryError: injected failure while packing "
+            "a fusion buffer") in res.output, res.output
+    assert "finished" not in res.stdout, res.output

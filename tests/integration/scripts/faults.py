@@ -1,4 +1,4 @@
-"""Train a small model and inject one fault on one rank at a chosen step: raise, kill, stall, engine."""
+"""Train a small model and inject one fault on one rank at a chosen step: raise, kill, stall, engine, datapath."""
 
 import argparse
 import os
@@ -11,7 +11,7 @@ import torch
 import mpidp
 
 parser = argparse.ArgumentParser()
-parser.add_argument("mode", choices=["none", "raise", "kill", "stall", "engine"])
+parser.add_argument("mode", choices=["none", "raise", "kill", "stall", "engine", "datapath"])
 parser.add_argument("--rank", type=int, default=1)
 parser.add_argument("--step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=10)
@@ -51,13 +51,27 @@ def fault() -> None:
             raise
 
 
+    if args.mode == "datapath":
+        host = mpidp.runtime.state().engine.backend.routes["cpu"]
+
+        def broken_pack(*_args, **_kwargs):
+            raise MemoryError("injected failure while packing a fusion buffer")
+        host._allreduce_packed = broken_pack  # the gradients are small: they are packed
+
+
 for step in range(args.steps):
     if step == args.step and rank == args.rank and args.mode != "none":
         fault()
     opt.zero_grad()
     loss = model(data).pow(2).mean()
     loss.backward()
-    opt.step()
+    try:
+        opt.step()
+    except mpidp.MpidpError as exc:
+        if args.mode != "datapath":
+            raise
+        # A script that catches the error and carries on must still not hang its peers.
+        print(f"rank {rank}: step {step} failed: {exc}", flush=True)
     print(f"rank {rank}: step {step} done", flush=True)
     time.sleep(0.05)
 print(f"rank {rank}: finished", flush=True)
