@@ -81,9 +81,8 @@ def _check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float
     if tensor.dtype == torch.bool and op == Average:
         raise TypeError(f"{what}: Average is not defined for bool tensors; use Sum (logical or) "
                         f"or Min (logical and)")
-    if (pre != 1.0 or post != 1.0) and not tensor.is_floating_point():
-        raise TypeError(f"{what}: prescale/postscale factors need a floating-point tensor, "
-                        f"not {tensor.dtype}")
+    if (pre != 1.0 or post != 1.0) and tensor.dtype == torch.bool:
+        raise TypeError(f"{what}: prescale/postscale factors are not defined for bool tensors")
 
 
 _UNNAMED = "<unnamed>"  # stands in for the number an unnamed op draws once it is accepted

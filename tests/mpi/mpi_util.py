@@ -123,3 +123,10 @@ def rank() -> int:
 
 def size() -> int:
     return mpidp.size()
+
+
+def int_average(total, n: int):
+    """Horovod's integer Average of a summed tensor: times the double 1/n, truncated toward
+    zero (-3 over 2 ranks is -1, not floor's -2)."""
+    import torch
+    return (total.to(torch.float64) * (1.0 / n)).trunc().to(total.dtype)

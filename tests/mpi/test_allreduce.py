@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mpidp
-from mpi_util import (DTYPES, FLOAT_DTYPES, SIGNED_DTYPES, assert_all, dtype_id, raises_all,
-                      rank, run_all, size, tensor_diff)
+from mpi_util import (DTYPES, FLOAT_DTYPES, SIGNED_DTYPES, assert_all, dtype_id, int_average,
+                      raises_all, rank, run_all, size, tensor_diff)
 
 OPS = [mpidp.Average, mpidp.Sum, mpidp.Min, mpidp.Max, mpidp.Product]
 
@@ -31,7 +31,7 @@ def make_input(r: int, dtype, op, shape=(2, 3)) -> torch.Tensor:
     else:
         vals = (2 * i + 3 * r) % 7
         if signed:
-            vals = vals - 3  # negatives: integer Average must floor, not truncate
+            vals = vals - 3  # negatives: integer Average truncates toward zero, as Horovod
     return vals.to(dtype)
 
 
@@ -49,8 +49,7 @@ def reference(dtype, op, n: int, pre: float = 1.0, post: float = 1.0, shape=(2, 
     if op == mpidp.Sum:
         out = stack.sum(0)
     elif op == mpidp.Average:
-        out = stack.sum(0) / n if dtype.is_floating_point else \
-            torch.div(stack.sum(0), n, rounding_mode="floor")
+        out = stack.sum(0) / n if dtype.is_floating_point else int_average(stack.sum(0), n)
     elif op == mpidp.Min:
         out = stack.amin(0)
     elif op == mpidp.Max:
@@ -115,6 +114,23 @@ def test_allreduce_prescale_postscale(dtype, op):
     pre, post = 0.5, 3.0
     x = make_input(rank(), dtype, op)
     expected = reference(dtype, op, size(), pre, post)
+    problems = run_all(_all_forms, x, expected, name, op=op, prescale_factor=pre,
+                       postscale_factor=post)
+    assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", [mpidp.Sum, mpidp.Average], ids=op_id)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64], ids=dtype_id)
+def test_integer_scale_factors_follow_horovods_rule(dtype, op):
+    """Integers take scale factors as in Horovod: times the double factor, cast back
+    (truncated toward zero), before the sum (prescale) and after it (postscale, with 1/size
+    folded in for Average)."""
+    name = f"test_integer_scale_factors_follow_horovods_rule.{dtype_id(dtype)}.{op_id(op)}"
+    pre, post, n = 1.5, 0.75, size()
+    x = make_input(rank(), dtype, op)
+    total = sum((make_input(r, dtype, op).double() * pre).trunc() for r in range(n))
+    expected = (total * (post / n if op == mpidp.Average else post)).trunc().to(dtype)
     problems = run_all(_all_forms, x, expected, name, op=op, prescale_factor=pre,
                        postscale_factor=post)
     assert_all(not problems, "; ".join(problems))

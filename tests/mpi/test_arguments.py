@@ -189,8 +189,6 @@ def test_reducescatter_arguments_checked():
         raises_all(ValueError, fn, torch.ones(size()), name=name, op=mpidp.Adasum)
         raises_all(TypeError, fn, torch.ones(size(), dtype=torch.bool), name=name,
                    match="bool")
-        raises_all(TypeError, fn, torch.ones(size(), dtype=torch.int32), name=name,
-                   prescale_factor=2.0, match="floating")
     raises_all(ValueError, mpidp.grouped_reducescatter, [torch.ones(2), torch.tensor(1.0)],
                name=name, match="scalar")
 
@@ -214,11 +212,11 @@ def test_reduce_op_arguments_checked(call):
     raises_all(ValueError, fn, wrap(torch.ones(2)), op=mpidp.Adasum, name=name, match="Adasum")
     for bad in (99, "sum"):
         raises_all(ValueError, fn, wrap(torch.ones(2)), op=bad, name=name, match="op")
-    # Scale factors on integers.
-    raises_all(TypeError, fn, wrap(torch.ones(2, dtype=torch.int32)), op=mpidp.Sum,
-               prescale_factor=2.0, name=name, match="floating")
-    raises_all(TypeError, fn, wrap(torch.ones(2, dtype=torch.int64)), op=mpidp.Sum,
-               postscale_factor=0.5, name=name, match="floating")
+    # Scale factors on bool (on integers they are allowed, as in Horovod).
+    raises_all(TypeError, fn, wrap(torch.ones(2, dtype=torch.bool)), op=mpidp.Sum,
+               prescale_factor=2.0, name=name, match="bool")
+    raises_all(TypeError, fn, wrap(torch.ones(2, dtype=torch.bool)), op=mpidp.Max,
+               postscale_factor=0.5, name=name, match="bool")
 
 
 @pytest.mark.mpi

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mpidp
-from mpi_util import assert_all, rank, run_all, size, tensor_diff
+from mpi_util import assert_all, int_average, rank, run_all, size, tensor_diff
 
 
 def _sum_of_ranks(n: int) -> int:
@@ -250,7 +250,7 @@ def test_many_small_mixed_dtype_allreduces_fuse_correctly():
         elif op == mpidp.Max:
             v = vals.max()
         else:
-            v = vals.sum() / n if dtype.is_floating_point else torch.floor(vals.sum() / n)
+            v = vals.sum() / n if dtype.is_floating_point else int_average(vals.sum(), n)
         d = tensor_diff(outs[i], torch.full((i % 7 + 1,), float(v)).to(dtype))
         if d:
             problems.append(f"tensor {i} ({dtype}, {op.name}): {d}")

@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 import mpidp
 from backend_util import ALLREDUCE, REDUCE_OPS, fused, run_both, same, single, values
-from mpi_util import assert_all, dtype_id, run_all
+from mpi_util import assert_all, dtype_id, int_average, run_all
 from mpidp import config as mpidp_config
 from mpidp.engine.backends.host import HostBackend
 from mpidp.engine.messages import ReduceOp
@@ -134,8 +134,8 @@ def test_through_mpidp_ops():
         handles = [mpidp.allreduce_async(values((n,), torch.int64, RANK), op=mpidp.Average,
                                          name=f"test_through_mpidp_ops.f{n}") for n in LENGTHS]
         got = [mpidp.synchronize(h) for h in handles]
-        want = [torch.div(sum(values((n,), torch.int64, r) for r in range(SIZE)), SIZE,
-                          rounding_mode="floor") for n in LENGTHS]
+        want = [int_average(sum(values((n,), torch.int64, r) for r in range(SIZE)), SIZE)
+                for n in LENGTHS]
         assert_all(all(torch.equal(a, b) for a, b in zip(got, want)), f"{got} vs {want}")
     finally:
         mpidp.shutdown()

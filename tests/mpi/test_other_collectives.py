@@ -6,7 +6,7 @@ import torch
 
 import mpidp
 from mpi_util import (DTYPES, FLOAT_DTYPES, SIGNED_DTYPES, assert_all, cast, dtype_id,
-                      raises_all, rank, run_all, size, tensor_diff)
+                      int_average, raises_all, rank, run_all, size, tensor_diff)
 
 
 def problems_of(pairs):
@@ -281,7 +281,7 @@ def rs_expected(r: int, n: int, dtype, op, dim0: int, pre: float = 1.0, post: fl
     else:
         full = torch.stack([x.long() for x in xs]).sum(0)
         if op == mpidp.Average:
-            full = torch.div(full, n, rounding_mode="floor")
+            full = int_average(full, n)
     rows = [dim0 // n + (1 if k < dim0 % n else 0) for k in range(n)]
     start = sum(rows[:r])
     return full[start:start + rows[r]].to(dtype)

@@ -159,9 +159,16 @@ def test_uneven_counts():
 
 
 def test_scale_after_matches_the_documented_rules():
-    ints = torch.tensor([7, -7])
+    ints = torch.tensor([7, -7, -3])
     scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE), 2)
-    assert torch.equal(ints, torch.tensor([3, -4]))  # floor
+    assert torch.equal(ints, torch.tensor([3, -3, -1]))  # truncated toward zero, as Horovod
+    ints = torch.tensor([7, -7], dtype=torch.int32)  # postscale 3 / 2 ranks: 10.5 -> 10
+    scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE,
+                              postscale=3.0), 2)
+    assert torch.equal(ints, torch.tensor([10, -10], dtype=torch.int32))
+    ints = torch.tensor([5], dtype=torch.uint8)
+    scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.SUM, postscale=0.5), 4)
+    assert ints.item() == 2
     floats = torch.tensor([6.0])
     scale_after(floats, Request("f", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE,
                                 postscale=2.0), 3)

@@ -71,19 +71,27 @@ def uneven_counts(n: int, parts: int) -> List[int]:
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
 
 
+def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply `t` by `factor` in place; returns `t`. Integers follow Horovod's rule:
+    multiply by the double factor, then cast back (truncating toward zero)."""
+    if t.is_floating_point():
+        t.mul_(factor)
+    else:
+        t.copy_(t.to(torch.float64).mul_(factor))
+    return t
+
+
 def scale_after(out: torch.Tensor, req, size: int) -> None:
     """Apply Average's division and the postscale factor to a reduced tensor, in place.
 
-    Integer Average floors (like `//`); floating Average folds 1/size into the postscale.
+    Average folds 1/size into the postscale, for integers too: the sum times the double
+    postscale/size, truncated toward zero, as Horovod computes it (so -3 over 2 ranks is -1).
     """
     post = req.postscale
     if req.reduce_op == ReduceOp.AVERAGE:
-        if out.is_floating_point():
-            post = post / size
-        else:
-            out.div_(size, rounding_mode="floor")
+        post = post / size
     if post != 1.0:
-        out.mul_(post)
+        scale_(out, post)
 
 
 class HostBackend:
@@ -173,7 +181,7 @@ class HostBackend:
         if wide is not None or req.prescale != 1.0:
             work = src.to(wide or out.dtype, copy=True)
             if req.prescale != 1.0:
-                work.mul_(req.prescale)
+                scale_(work, req.prescale)
             if self.timeline_mark:
                 self.timeline_mark("pack")
             self._reduce_flat(None, work.view(-1), req)
@@ -203,7 +211,7 @@ class HostBackend:
         else:
             buf.copy_(torch.cat(flat))
         if req.prescale != 1.0:
-            buf.mul_(req.prescale)
+            scale_(buf, req.prescale)
         if self.timeline_mark:
             self.timeline_mark("pack")
         self._reduce_flat(None, buf, req)
@@ -294,9 +302,9 @@ class HostBackend:
         dim0 = t.shape[0]
         rows = uneven_counts(dim0, self.size)
         row = math.prod(t.shape[1:])
-        work = t.to(wide) if (wide is not dtype or req.prescale != 1.0) else t
+        work = t.to(wide, copy=True) if (wide is not dtype or req.prescale != 1.0) else t
         if req.prescale != 1.0:
-            work = work.mul(req.prescale)
+            scale_(work, req.prescale)
         out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide, device=t.device)
         op = mpi.mpi_op(req.reduce_op, dtype == torch.bool)
         mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out),

@@ -12,8 +12,8 @@ The host announced is the `rendezvous_host` knob, or rank 0's host name.
 Execution (`ProcessGroupBackend`): negotiation stays on MPI; only tensor data moves through the
 group. Results equal the MPI host path's exactly wherever that one is exact, because the
 semantics are shared with HostBackend (subclassed): joined ranks add zeros, float16/bfloat16 are
-reduced in float32, prescale before and Average/postscale after the reduction, integer Average
-floors. Type mapping for reductions: bool is reduced as uint8 with MAX (logical or: Sum,
+reduced in float32, prescale before and Average/postscale after the reduction, integers
+scaled as Horovod does (times the double factor, truncated). Type mapping for reductions: bool is reduced as uint8 with MAX (logical or: Sum,
 Average, Max) or MIN (logical and: Min, Product), as the MPI path does; int16 (which gloo and
 NCCL lack) in int32, cast back with the same wrap-around. Byte-moving collectives (allgather,
 broadcast, alltoall) move uint8 views, so every dtype works. Allgather with different first
@@ -37,7 +37,7 @@ from ...log import logger
 from .. import mpi
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry
-from .host import HostBackend, uneven_counts
+from .host import HostBackend, scale_, uneven_counts
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=300)
 _BYTE = torch.uint8
@@ -174,9 +174,10 @@ class ProcessGroupBackend(HostBackend):
         dtype = t.dtype
         wide = {torch.bfloat16: torch.float32, torch.float16: torch.float32,
                 torch.int16: torch.int32}.get(dtype, dtype)
-        work = t.to(wide) if (wide is not dtype or req.prescale != 1.0) else t.contiguous()
+        work = t.to(wide, copy=True) if (wide is not dtype or req.prescale != 1.0) \
+            else t.contiguous()
         if req.prescale != 1.0:
-            work = work.mul(req.prescale)
+            scale_(work, req.prescale)
         is_bool = dtype == torch.bool
         if is_bool:
             work = work.view(_BYTE)
