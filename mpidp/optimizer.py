@@ -1,85 +1,16 @@
-"""DistributedOptimizer: wraps any torch optimizer; each gradient is reduced as soon as it is ready."""
+"""DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets as they become ready."""
 
 import contextlib
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict
 
 import torch
 
 from . import ops, runtime
+from .buckets import Bucket, make_buckets, named
 from .process_sets import is_outside, member_of
 from .compression import Compression
 from .ops import Average, Sum
-
-
-def _named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        # Horovod's scheme: positions in the optimizer's groups, identical on every rank.
-        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
-                for j, p in enumerate(group["params"])}
-    named = list(named_parameters)
-    names = [n for n, _ in named]
-    dups = sorted({n for n in names if names.count(n) > 1})
-    if dups:
-        raise ValueError(f"DistributedOptimizer: named_parameters has duplicate names {dups}; "
-                         f"names must be unique (pass model.named_parameters())")
-    by_param = {p: n for n, p in named}
-    missing = [i for i, p in enumerate(params) if p not in by_param]
-    if missing:
-        raise ValueError(f"DistributedOptimizer: named_parameters does not cover every parameter "
-                         f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
-                         f"the named_parameters of the whole model the optimizer was built on")
-    return {p: by_param[p] for p in params}
-
-
-class _Bucket:
-    """Parameters whose gradients are reduced as one op, the same on every rank."""
-
-    __slots__ = ("name", "params", "ready", "handle", "wires", "ctxs", "request", "cache_key",
-                 "dtype")
-
-    def __init__(self, name: str, params: List[torch.nn.Parameter]):
-        self.name = name
-        self.params = params
-        self.ready = 0          # parameters whose gradient is ready this step
-        self.handle = None      # while in flight
-        self.wires, self.ctxs = (), ()
-        self.request = self.cache_key = self.dtype = None  # kept from the first submission
-
-
-def _make_buckets(trained, names, groups, cap: int) -> List[_Bucket]:
-    """Buckets of `trained` parameters: the user's groups as they are; the rest in reverse
-    order (gradients become ready roughly from the last layer back, as in DDP), one bucket per
-    dtype and device filled up to `cap` bytes (0: one parameter per bucket)."""
-    out, loose = [], []
-    by_group: Dict[int, List[torch.nn.Parameter]] = {}
-    for p in trained:
-        gid = groups.get(p)
-        if gid is None:
-            loose.append(p)
-        else:
-            by_group.setdefault(gid, []).append(p)
-    for members in by_group.values():
-        out.append(members)
-    open_: Dict[tuple, List] = {}
-    size: Dict[tuple, int] = {}
-    for p in reversed(loose):
-        key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
-        members = open_.get(key)
-        if members is None or not cap or size[key] + nbytes > cap:
-            members = open_[key] = []
-            size[key] = 0
-            out.append(members)
-        members.append(p)
-        size[key] += nbytes
-    buckets = []
-    for members in out:
-        first = names[members[0]]
-        name = first if len(members) == 1 else f"{first}+{len(members) - 1}"
-        buckets.append(_Bucket(name, members))
-    return buckets
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -117,19 +48,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._set_size = 1 if self._outside else \
             member_of(process_set, "DistributedOptimizer")[1].size
         self._process_set = process_set
-        self._names = _named(optimizer, named_parameters)
+        self._names = named(optimizer, named_parameters)
         self._compression = compression
         self._op = op
         # Average as Sum with scaling: divide by the factor before and by size/factor after.
         self._pre = 1.0 / gradient_predivide_factor
         self._post_factor = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
+        self._sparse_dims: Dict[torch.nn.Parameter, int] = {}  # seen sparse: its sparse_dim
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
         # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
         trained = [p for p in self._names if p.requires_grad and not self._outside]
         self._frozen = [p for p in self._names if not p.requires_grad and not self._outside]
-        self._buckets = _make_buckets(trained, self._names, self._make_groups(num_groups, groups),
+        self._buckets = make_buckets(trained, self._names, self._make_groups(num_groups, groups),
                                       runtime.state().config.bucket_bytes)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._passes: Dict[torch.nn.Parameter, int] = {}
@@ -209,7 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._frozen = []  # once
 
     def _in_flight(self) -> bool:
-        return any(b.handle is not None for b in self._buckets)
+        return any(b.submitted for b in self._buckets)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """How many backward passes accumulate before a gradient is reduced."""
@@ -225,7 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if count < self._passes_per_step:
             return
         bucket = self._bucket_of[p]
-        if count > self._passes_per_step or bucket.handle is not None:
+        if count > self._passes_per_step or bucket.submitted:
             raise RuntimeError(
                 f"DistributedOptimizer: parameter {self._names[p]!r} got a gradient from "
                 f"another backward pass after its gradient was submitted for reduction (after "
@@ -241,23 +173,59 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # Ranks whose loss did not touch p still contribute (zeros), so no rank waits.
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
-            if not self._sparse_as_dense:
-                raise ValueError(f"parameter {self._names[p]!r} has a sparse gradient: pass "
-                                 f"sparse_as_dense=True to DistributedOptimizer")
-            p.grad = p.grad.to_dense()
+            p.grad = p.grad.to_dense()  # sparse_as_dense
         return p.grad
 
-    def _submit(self, bucket: "_Bucket") -> None:
-        """One op for the whole bucket. The first submission goes through the checked path and
-        its request is kept; later ones reuse it while the gradients still fit it."""
+    def _is_sparse(self, p) -> bool:
+        """Whether p's gradient goes as a sparse op. Once seen sparse, a parameter stays so: a
+        rank whose loss did not touch it then sends an empty sparse gradient, as its peers do."""
+        if self._sparse_as_dense:
+            return False
+        if p.grad is not None and p.grad.is_sparse:
+            self._sparse_dims[p] = p.grad.sparse_dim()
+            return True
+        dims = self._sparse_dims.get(p)
+        if dims is not None and p.grad is None:
+            # Same layout as the peers' (an embedding's gradient is sparse in dim 0 only).
+            p.grad = torch.sparse_coo_tensor(
+                torch.zeros((dims, 0), dtype=torch.long, device=p.device),
+                torch.zeros((0,) + tuple(p.shape[dims:]), dtype=p.dtype, device=p.device),
+                p.shape, check_invariants=True)
+        return dims is not None
+
+    def _submit(self, bucket: Bucket) -> None:
+        """One op for the bucket's dense gradients and one per sparse gradient. The first
+        dense submission goes through the checked path and its request is kept; later ones
+        reuse it while the gradients still fit it."""
+        bucket.submitted = True
+        sparse = [p for p in bucket.params if self._is_sparse(p)]
+        if sparse:  # by identity: `in` on tensors would compare their values
+            ids = {id(p) for p in sparse}
+            dense = [p for p in bucket.params if id(p) not in ids]
+        else:
+            dense = bucket.params
+        # Horovod reduces sparse gradients by gathering every rank's indices and values; the
+        # op is Average or Sum as asked, with no compression (there is no dense buffer to cast).
+        bucket.sparse = [(p, ops.sparse_allreduce_async(
+            p.grad, name=f"{self._names[p]}.sparse", op=self._op, process_set=self._process_set))
+            for p in sparse]
+        bucket.dense = dense
+        if not dense:
+            bucket.wires = bucket.ctxs = ()
+            return
         op = Sum if self._op == Average else self._op
         post = self._post_factor / self._set_size if self._op == Average else 1.0
         wires, ctxs = [], []
-        for p in bucket.params:
+        for p in dense:
             wire, ctx = self._compression.compress(self._grad_of(p))
             wires.append(wire)
             ctxs.append(ctx)
         bucket.wires, bucket.ctxs = wires, ctxs
+        if sparse:  # the bucket op covers only some parameters: no memoized request for it
+            bucket.handle = ops.grouped_allreduce_async_(
+                wires, name=bucket.name, op=op, prescale_factor=self._pre,
+                postscale_factor=post, process_set=self._process_set)
+            return
         req = bucket.request
         if req is not None and all(w.dtype is bucket.dtype and w.is_contiguous()
                                    for w in wires):
@@ -281,20 +249,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Synchronization: blocks until every rank has submitted the same buckets.
         """
         for bucket in self._buckets:
-            if bucket.handle is None:
+            if not bucket.submitted:
                 self._submit(bucket)
         if self._frozen:
             self._warn_unfrozen()
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None
-                ops.synchronize(handle)
-                for p, wire, ctx in zip(bucket.params, bucket.wires, bucket.ctxs):
+                if handle is not None:
+                    ops.synchronize(handle)
+                for p, wire, ctx in zip(bucket.dense, bucket.wires, bucket.ctxs):
                     if ctx is not None or wire is not p.grad:
                         p.grad.copy_(self._compression.decompress(wire, ctx))
+                for p, sparse_handle in bucket.sparse:
+                    p.grad = ops.synchronize(sparse_handle)
         finally:
             for bucket in self._buckets:
                 bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
+                bucket.submitted, bucket.dense, bucket.sparse = False, [], []
             self._passes.clear()
         self._synchronized = True
 

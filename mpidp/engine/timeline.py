@@ -23,7 +23,7 @@ import collections
 import json
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from .fusion import tensor_count
 from .messages import OP_NAMES

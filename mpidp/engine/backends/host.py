@@ -251,7 +251,6 @@ class HostBackend:
     # ---- other collectives ----
 
     def allgather(self, resp: Response, entry: Entry):
-        req = resp.request
         t = entry.tensor if entry.tensor.dim() > 0 else entry.tensor.reshape(1)
         row = math.prod(t.shape[1:])
         out = t.new_empty((sum(resp.first_dims),) + tuple(t.shape[1:]))

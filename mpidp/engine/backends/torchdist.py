@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ...errors import MpidpError
 from ...log import logger
 from .. import mpi
-from ..messages import OpType, ReduceOp, Response
+from ..messages import ReduceOp, Response
 from ..tensor_queue import Entry
 from .host import HostBackend, scale_, uneven_counts
 

@@ -1,0 +1,78 @@
+"""DistributedOptimizer's parameters: their names, and the buckets their gradients are reduced in."""
+
+from typing import Dict, List
+
+import torch
+
+
+def named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        # Horovod's scheme: positions in the optimizer's groups, identical on every rank.
+        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])}
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"DistributedOptimizer: named_parameters has duplicate names {dups}; "
+                         f"names must be unique (pass model.named_parameters())")
+    by_param = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise ValueError(f"DistributedOptimizer: named_parameters does not cover every parameter "
+                         f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
+                         f"the named_parameters of the whole model the optimizer was built on")
+    return {p: by_param[p] for p in params}
+
+
+class Bucket:
+    """Parameters whose gradients are reduced as one op, the same on every rank."""
+
+    __slots__ = ("name", "params", "ready", "handle", "wires", "ctxs", "request", "cache_key",
+                 "dtype", "dense", "sparse", "submitted")
+
+    def __init__(self, name: str, params: List[torch.nn.Parameter]):
+        self.name = name
+        self.params = params
+        self.ready = 0          # parameters whose gradient is ready this step
+        self.handle = None      # the dense op while in flight
+        self.submitted = False  # this step's gradients were handed to the engine
+        self.dense: List[torch.nn.Parameter] = []  # submitted as the bucket op (wires, ctxs)
+        self.sparse: List[tuple] = []  # (parameter, handle): sparse gradients, one op each
+        self.wires, self.ctxs = (), ()
+        self.request = self.cache_key = self.dtype = None  # kept from the first submission
+
+
+def make_buckets(trained, names, groups, cap: int) -> List["Bucket"]:
+    """Buckets of `trained` parameters: the user's groups as they are; the rest in reverse
+    order (gradients become ready roughly from the last layer back, as in DDP), one bucket per
+    dtype and device filled up to `cap` bytes (0: one parameter per bucket)."""
+    out, loose = [], []
+    by_group: Dict[int, List[torch.nn.Parameter]] = {}
+    for p in trained:
+        gid = groups.get(p)
+        if gid is None:
+            loose.append(p)
+        else:
+            by_group.setdefault(gid, []).append(p)
+    for members in by_group.values():
+        out.append(members)
+    open_: Dict[tuple, List] = {}
+    size: Dict[tuple, int] = {}
+    for p in reversed(loose):
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        members = open_.get(key)
+        if members is None or not cap or size[key] + nbytes > cap:
+            members = open_[key] = []
+            size[key] = 0
+            out.append(members)
+        members.append(p)
+        size[key] += nbytes
+    buckets = []
+    for members in out:
+        first = names[members[0]]
+        name = first if len(members) == 1 else f"{first}+{len(members) - 1}"
+        buckets.append(Bucket(name, members))
+    return buckets
