@@ -179,3 +179,52 @@ def test_grouped_allreduce_gradient():
 
     check_grad("grouped_allreduce", fn, torch.ones(3, dtype=torch.float64), ws[r],
                sum(ws) * 2)
+
+
+@pytest.mark.mpi
+def test_grouped_allgather_gradient_is_allgathers_per_tensor():
+    """Each tensor of the group gets allgather's gradient (the gathered gradient averaged over
+    the ranks, this rank's rows), as Horovod's grouped_allgather does."""
+    name = "test_grouped_allgather_gradient"
+    r, n = rank(), size()
+    rows = [[k + 1 for k in range(n)], [2 * (n - k) for k in range(n)]]
+    xs = [torch.full((rows[0][r], 2), float(r), dtype=torch.float64, requires_grad=True),
+          torch.full((rows[1][r],), float(r), dtype=torch.float64, requires_grad=True),
+          torch.tensor(float(r), dtype=torch.float64, requires_grad=True)]
+    totals = [sum(rows[0]), sum(rows[1]), n]
+    ws = [[weights(k, (totals[0], 2)), weights(k + 1, (totals[1],)), weights(k + 2, (n,))]
+          for k in range(n)]
+
+    def run():
+        outs = mpidp.grouped_allgather(xs, name=name)
+        sum((o * w).sum() for o, w in zip(outs, ws[r])).backward()
+        return [x.grad for x in xs]
+    grads = run_all(run)
+    means = [sum(ws[k][j] for k in range(n)) / n for j in range(3)]
+    starts = [sum(rows[0][:r]), sum(rows[1][:r]), r]
+    want = [means[0][starts[0]:starts[0] + rows[0][r]],
+            means[1][starts[1]:starts[1] + rows[1][r]], means[2][r]]
+    d = "; ".join(tensor_diff(g, w) for g, w in zip(grads, want) if tensor_diff(g, w))
+    assert_all(not d, d)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", [mpidp.Sum, mpidp.Average], ids=lambda o: o.name.lower())
+def test_grouped_reducescatter_gradient_is_reducescatters_per_tensor(op):
+    name = f"test_grouped_reducescatter_gradient.{op.name.lower()}"
+    r, n = rank(), size()
+    dims = [2 * n + 1, n]
+    rows = [[d // n + (1 if k < d % n else 0) for k in range(n)] for d in dims]
+    xs = [torch.ones(dims[0], 2, dtype=torch.float64, requires_grad=True),
+          torch.ones(dims[1], dtype=torch.float64, requires_grad=True)]
+    ws = [[weights(k, (rows[0][k], 2)), weights(k + 3, (rows[1][k],))] for k in range(n)]
+
+    def run():
+        outs = mpidp.grouped_reducescatter(xs, name=name, op=op, prescale_factor=2.0)
+        sum((o * w).sum() for o, w in zip(outs, ws[r])).backward()
+        return [x.grad for x in xs]
+    grads = run_all(run)
+    scale = 2.0 / n if op == mpidp.Average else 2.0  # as reducescatter's own rule
+    want = [torch.cat([ws[k][j] for k in range(n)]) * scale for j in range(2)]
+    d = "; ".join(tensor_diff(g, w) for g, w in zip(grads, want) if tensor_diff(g, w))
+    assert_all(not d, d)
