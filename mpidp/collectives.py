@@ -120,26 +120,43 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
                                               process_set=process_set))
 
 
-@_blocking
-def reducescatter(tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                  process_set=None):
-    """Reduce across ranks and keep this rank's rows of dim 0; differentiable. Blocks."""
-    if _wants_grad(tensor):
-        return autograd.Reducescatter.apply(tensor, name, op, prescale_factor, postscale_factor,
-                                    process_set)
-    return ops.synchronize(ops.reducescatter_async(tensor, name=name, op=op,
-                                                   prescale_factor=prescale_factor,
-                                                   postscale_factor=postscale_factor,
-                                                   process_set=process_set))
+def _compressor(compression, what: str):
+    """Horovod's third positional argument of reducescatter is compression=, not op=."""
+    if not hasattr(compression, "compress"):
+        raise TypeError(f"{what}: compression must be a compressor such as "
+                        f"Compression.fp16, not {compression!r}; the arguments follow Horovod's "
+                        f"order (tensor, name, compression, op, process_set, prescale_factor, "
+                        f"postscale_factor): pass op= by keyword")
+    return compression
 
 
 @_blocking
-def grouped_reducescatter(tensors, name=None, op=Average, prescale_factor=1.0,
-                          postscale_factor=1.0, process_set=None):
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=None,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce across ranks and keep this rank's rows of dim 0; differentiable. Arguments in
+    Horovod's order. Blocks until every rank (of the set) has submitted `name`."""
+    wire, ctx = _compressor(compression, "reducescatter").compress(tensor)
+    if _wants_grad(wire):
+        out = autograd.Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor,
+                                           process_set)
+    else:
+        out = ops.synchronize(ops.reducescatter_async(wire, name=name, op=op,
+                                                      prescale_factor=prescale_factor,
+                                                      postscale_factor=postscale_factor,
+                                                      process_set=process_set))
+    return compression.decompress(out, ctx)
+
+
+@_blocking
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=None, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce-scatter a list, submitted atomically; differentiable (each tensor as
-    reducescatter). Blocks."""
-    if any(_wants_grad(t) for t in tensors):
-        return list(autograd.GroupedReducescatter.apply(
-            name, op, prescale_factor, postscale_factor, process_set, *tensors))
-    return ops.synchronize(ops.grouped_reducescatter_async(tensors, name, op, prescale_factor,
-                                                           postscale_factor, process_set))
+    reducescatter). Arguments in Horovod's order. Blocks."""
+    wire = [_compressor(compression, "grouped_reducescatter").compress(t) for t in tensors]
+    if any(_wants_grad(w) for w, _ in wire):
+        outs = list(autograd.GroupedReducescatter.apply(
+            name, op, prescale_factor, postscale_factor, process_set, *[w for w, _ in wire]))
+    else:
+        outs = ops.synchronize(ops.grouped_reducescatter_async(
+            [w for w, _ in wire], name, op, prescale_factor, postscale_factor, process_set))
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, wire)]

@@ -300,12 +300,15 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
 def _check_splits(splits, t: torch.Tensor, size: int, what: str) -> np.ndarray:
     if isinstance(splits, torch.Tensor):
         if splits.dtype.is_floating_point or splits.dtype == torch.bool:
-            raise TypeError(f"{what}: splits must hold integers, not {splits.dtype}")
+            # ValueError, as Horovod raises for non-integer splits (scripts catch that one).
+            raise ValueError(f"{what}: splits must hold integers, not {splits.dtype}")
         arr = splits.detach().cpu().numpy().reshape(-1)
     elif isinstance(splits, (list, tuple, np.ndarray)):
         arr = np.asarray(splits)
         if arr.size == 0:
             arr = arr.astype(np.int64)  # numpy makes [] float; the count check below says more
+        if arr.dtype.kind == "f":
+            raise ValueError(f"{what}: splits must be integers, got {list(splits)!r}")
         if arr.dtype.kind not in "iu":
             raise TypeError(f"{what}: splits must be integers, got {list(splits)!r}")
         arr = arr.reshape(-1)

@@ -125,8 +125,8 @@ def test_row_root_rank_out_of_range(call, offset):
 
 def _splits_cases(n):
     return {
-        "float list": (TypeError, [0.5] * n, ["integers", "[0.5"]),
-        "float tensor": (TypeError, torch.ones(n), ["integers", "float32"]),
+        "float list": (ValueError, [0.5] * n, ["integers", "[0.5"]),  # Horovod's type
+        "float tensor": (ValueError, torch.ones(n), ["integers", "float32"]),
         "string": (TypeError, "1" * n, ["list or an integer tensor", "str"]),
         "too long": (ValueError, [1] * (n + 1), [f"{n + 1} entries", f"{n} ranks",
                                                  "one count per rank"]),

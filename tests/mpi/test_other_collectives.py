@@ -444,3 +444,23 @@ def test_same_name_reused_across_op_types():
         return [(f"{what} #{i}", fn(), want) for what, fn, want in steps for i in range(2)]
 
     check(run_all(body))
+
+
+@pytest.mark.mpi
+def test_reducescatter_takes_horovods_arguments_and_compression():
+    """Horovod's order: (tensor, name, compression, op, process_set, prescale, postscale);
+    compression casts on the wire and back. An op in compression's place is refused clearly."""
+    name = "test_reducescatter_takes_horovods_arguments"
+    n, r = size(), rank()
+    x = torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3) + r
+    want = (sum(torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3) + k
+                for k in range(n)))[2 * r:2 * r + 2]
+    got = run_all(mpidp.reducescatter, x, f"{name}.a", mpidp.Compression.fp16, mpidp.Sum, None,
+                  1.0, 1.0)
+    grouped = run_all(mpidp.grouped_reducescatter, [x, x * 2], f"{name}.g",
+                      mpidp.Compression.fp16, mpidp.Sum)
+    ok = got.dtype == torch.float32 and torch.equal(got, want) and \
+        torch.equal(grouped[0], want) and torch.equal(grouped[1], want * 2)
+    assert_all(ok, f"{got} vs {want}; grouped {grouped}")
+    for fn, arg in ((mpidp.reducescatter, x), (mpidp.grouped_reducescatter, [x])):
+        raises_all(TypeError, fn, arg, f"{name}.bad", mpidp.Sum, match="pass op= by keyword")
