@@ -23,21 +23,26 @@ def _wants_grad(tensor) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
 
+def _compressed(rule, start, tensor, compression, name, op, pre, post, ps):
+    """Compress, reduce (through the autograd `rule` when a gradient is wanted, else the async
+    `start` and a wait), decompress."""
+    wire, ctx = compression.compress(tensor)
+    if _wants_grad(wire):
+        out = rule.apply(wire, name, op, pre, post, ps)
+    else:
+        out = ops.synchronize(start(wire, name=name, op=op, prescale_factor=pre,
+                                    postscale_factor=post, process_set=ps))
+    return compression.decompress(out, ctx)
+
+
 @_blocking
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce `tensor` across ranks into a new tensor; differentiable.
     Synchronization: blocks until every rank has submitted `name` and the reduction is done."""
     op = ops._resolve_op(average, op, "allreduce")
-    wire, ctx = compression.compress(tensor)
-    if _wants_grad(wire):
-        out = autograd.Allreduce.apply(wire, name, op, prescale_factor, postscale_factor, process_set)
-    else:
-        out = ops.synchronize(ops.allreduce_async(wire, name=name, op=op,
-                                                  prescale_factor=prescale_factor,
-                                                  postscale_factor=postscale_factor,
-                                                  process_set=process_set))
-    return compression.decompress(out, ctx)
+    return _compressed(autograd.Allreduce, ops.allreduce_async, tensor, compression, name, op,
+                       prescale_factor, postscale_factor, process_set)
 
 
 @_blocking
@@ -56,8 +61,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     wire = [compression.compress(t) for t in tensors]
     if any(_wants_grad(w) for w, _ in wire):
         op = ops._resolve_op(average, op, "grouped_allreduce")
-        outs = autograd.GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
-                                       *[w for w, _ in wire])
+        outs = autograd.GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
+                                               process_set, *[w for w, _ in wire])
     else:
         outs = ops.synchronize(ops.grouped_allreduce_async([w for w, _ in wire], average, name,
                                                            op, prescale_factor,
@@ -135,16 +140,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce across ranks and keep this rank's rows of dim 0; differentiable. Arguments in
     Horovod's order. Blocks until every rank (of the set) has submitted `name`."""
-    wire, ctx = _compressor(compression, "reducescatter").compress(tensor)
-    if _wants_grad(wire):
-        out = autograd.Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor,
-                                           process_set)
-    else:
-        out = ops.synchronize(ops.reducescatter_async(wire, name=name, op=op,
-                                                      prescale_factor=prescale_factor,
-                                                      postscale_factor=postscale_factor,
-                                                      process_set=process_set))
-    return compression.decompress(out, ctx)
+    return _compressed(autograd.Reducescatter, ops.reducescatter_async, tensor,
+                       _compressor(compression, "reducescatter"), name, op, prescale_factor,
+                       postscale_factor, process_set)
 
 
 @_blocking
