@@ -36,11 +36,12 @@ One cycle, on every rank:
 Wake-ups. A rank that needs peers in a cycle they may sleep through (to stop them, or to have
 them report for a stall check) sends each peer the pair (k, flags) on the wake communicator, k
 being the cycle it is in (and the engine's epoch, agreed when its communicators were made, so
-that a wake-up left over from an earlier engine is dropped). It sends at the start of the
-cycle, or while it waits in the band once the reason arises (a local shutdown, a stall limit).
-An engine tests its posted receive between cycles and, while asleep, every WAKE_POLL_S. A wake for a cycle it has not run yet makes it run
-that cycle with those flags in its band; a wake for a cycle it already ran is dropped. Ops need
-no wake-up: every rank's own submission wakes its own engine.
+that a wake-up left over from an earlier engine is dropped). It sends at the start of the cycle,
+or while it waits in the band once the reason arises (a local shutdown, a stall limit). An
+engine tests its posted receive between cycles and, while asleep, every WAKE_POLL_S. A wake for
+a cycle it has not run yet makes it run that cycle with those flags in its band; a wake for a
+cycle it already ran is dropped. Ops need no wake-up: every rank's own submission wakes its own
+engine.
 
 Stall detection therefore works with sleeping peers: a waiting rank raises STALL in its band
 and wakes its peers, so the coordinator gets every rank's snapshot and names the missing ranks.

@@ -12,16 +12,16 @@ The host announced is the `rendezvous_host` knob, or rank 0's host name.
 Execution (`ProcessGroupBackend`): negotiation stays on MPI; only tensor data moves through the
 group. Results equal the MPI host path's exactly wherever that one is exact, because the
 semantics are shared with HostBackend (subclassed): joined ranks add zeros, float16/bfloat16 are
-reduced in float32, prescale before and Average/postscale after the reduction, integers
-scaled as Horovod does (times the double factor, truncated). Type mapping for reductions: bool is reduced as uint8 with MAX (logical or: Sum,
-Average, Max) or MIN (logical and: Min, Product), as the MPI path does; int16 (which gloo and
-NCCL lack) in int32, cast back with the same wrap-around. Byte-moving collectives (allgather,
-broadcast, alltoall) move uint8 views, so every dtype works. Allgather with different first
-dims pads each rank's rows to the largest and trims; alltoall exchanges split counts over MPI
-(host integers) and moves the rows with `alltoall_base`; reducescatter passes the uneven
-per-rank chunks (first dim0 % size ranks get one extra row) as a list. With gloo all of this runs
-on CPU and is tested; with NCCL the same code runs on CUDA tensors and has never run (no GPU).
-"""
+reduced in float32, prescale before and Average/postscale after the reduction, integers scaled
+as Horovod does (times the double factor, truncated). Type mapping for reductions: bool is
+reduced as uint8 with MAX (logical or: Sum, Average, Max) or MIN (logical and: Min, Product), as
+the MPI path does; int16 (which gloo and NCCL lack) in int32, cast back with the same wrap-
+around. Byte-moving collectives (allgather, broadcast, alltoall) move uint8 views, so every
+dtype works. Allgather with different first dims pads each rank's rows to the largest and trims;
+alltoall exchanges split counts over MPI (host integers) and moves the rows with
+`alltoall_base`; reducescatter passes the uneven per-rank chunks (first dim0 % size ranks get
+one extra row) as a list. With gloo all of this runs on CPU and is tested; with NCCL the same
+code runs on CUDA tensors and has never run (no GPU). """
 
 import datetime
 import math
