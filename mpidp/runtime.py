@@ -133,6 +133,24 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     os._exit(1)
 
 
+def _said_once(error: BaseException, rank: int) -> BaseException:
+    """`error`, raised on every rank alike; if no one catches it, rank 0 alone reports it (one
+    line, no traceback) instead of a traceback per rank. Returns it for `raise`."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if exc is not error:
+            previous(exc_type, exc, tb)
+            return
+        if rank == 0:  # the message already names the ranks concerned
+            sys.stderr.write(f"mpidp: init() failed on every rank: {exc_type.__name__}: "
+                             f"{exc}\n")
+            sys.stderr.flush()
+
+    sys.excepthook = hook
+    return error
+
+
 def _install_abort_hook(enabled: bool) -> None:
     global _previous_excepthook
     if enabled and sys.excepthook is not _abort_on_uncaught:
@@ -311,14 +329,15 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         views = base.allgather((error, cfg.agreed_items() if cfg else None))
         errors = [(r, e) for r, (e, _) in enumerate(views) if e]
         if errors:
-            raise ConfigError("; ".join(f"rank {r}: {e}" for r, e in errors))
+            raise _said_once(ConfigError("; ".join(f"rank {r}: {e}" for r, e in errors)),
+                             base.Get_rank())
         for field, value in views[0][1]:
             differ = [r for r, (_, items) in enumerate(views) if dict(items)[field] != value]
             if differ:
-                raise ConfigError(
+                raise _said_once(ConfigError(
                     f"knob {field} must be the same on every rank: rank 0 has {value!r}, ranks "
                     f"{differ} have {[dict(views[r][1])[field] for r in differ]}; set the "
-                    f"variable the same way for the whole job")
+                    f"variable the same way for the whole job"), base.Get_rank())
         comms = _comms(Comms, base, cfg)
         admin = base.Dup()
         if comm is not None and base is not comm:

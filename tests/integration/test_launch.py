@@ -64,3 +64,14 @@ def test_a_rank_that_shuts_down_releases_the_others():
     for rank in (1, 2):
         assert f"rank {rank}: EngineShutdownError" in res.stdout, res.output
         assert f"rank {rank}: later op refused" in res.stdout, res.output
+
+
+def test_an_uncaught_init_error_is_reported_once_per_job():
+    """Every rank raises the same ConfigError; left uncaught, rank 0 alone says it, in one line
+    with the rank that holds the bad value, instead of one traceback per rank."""
+    res = run(3, "-c", "import mpidp; mpidp.init()", env={"MPIDP_CYCLE_TIME_MS": "soon"},
+              timeout=60)
+    assert res.returncode != 0, res.output
+    line = "mpidp: init() failed on every rank: ConfigError: rank 0: MPIDP_CYCLE_TIME_MS='soon'"
+    assert res.output.count(line) == 1, res.output
+    assert "Traceback" not in res.output, res.output
