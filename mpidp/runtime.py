@@ -103,6 +103,7 @@ def _warn_lonely_world(size: int) -> None:
 
 _previous_excepthook = None
 _ABORT_GRACE_S = 0.3
+_INTERRUPT_QUIET_S = 1.0  # how long a rank other than 0 lets rank 0 report a Ctrl-C first
 
 
 def _abort_on_uncaught(exc_type, exc, tb) -> None:
@@ -112,10 +113,20 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     if world.Get_size() == 1 or MPI.Is_finalized():  # nobody else can be left waiting
         (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
         return
-    text = "".join(traceback.format_exception(exc_type, exc, tb))
-    logger.critical("uncaught %s on rank %d (host %s); aborting all %d ranks of the job "
-                    "(MPIDP_ABORT_ON_ERROR=0 turns this off):\n%s", exc_type.__name__,
-                    world.Get_rank(), socket.gethostname(), world.Get_size(), text.rstrip())
+    rank = world.Get_rank()
+    if issubclass(exc_type, KeyboardInterrupt):
+        # Ctrl-C reaches every rank at once: a traceback per rank says nothing. Rank 0 says it
+        # in one line and ends the job; another rank speaks only if it was interrupted alone
+        # (the job is still there after rank 0 had its chance).
+        if rank != 0:
+            time.sleep(_INTERRUPT_QUIET_S)
+        logger.critical("interrupted (KeyboardInterrupt) on rank %d (host %s); ending all %d "
+                        "ranks of the job", rank, socket.gethostname(), world.Get_size())
+    else:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        logger.critical("uncaught %s on rank %d (host %s); aborting all %d ranks of the job "
+                        "(MPIDP_ABORT_ON_ERROR=0 turns this off):\n%s", exc_type.__name__,
+                        rank, socket.gethostname(), world.Get_size(), text.rstrip())
     previous = _previous_excepthook
     if previous is not None and previous is not sys.__excepthook__:
         previous(exc_type, exc, tb)  # the user's own hook still runs; the default would repeat ours

@@ -1,11 +1,15 @@
 """Fault injection under a real mpiexec: a rank that raises, dies, stalls or loses its engine ends the job."""
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from .launch import SCRIPTS, run
+from .launch import ROOT, SCRIPTS, mpiexec, run
 
 SCRIPT = SCRIPTS / "faults.py"
 # Time allowed from the injected fault to the end of the whole job (the issue's bound for a
@@ -92,3 +96,48 @@ def test_data_path_failure_on_one_rank_ends_the_job(abort_on_error):
     assert ("the data path failed on rank 1 with MemoryError: injected failure while packing "
             "a fusion buffer") in res.output, res.output
     assert "finished" not in res.stdout, res.output
+
+
+def _interrupt(target: str):
+    """Start 3 idle ranks, send SIGINT to the job's whole process group (what Ctrl-C in a
+    terminal does) or to rank 2 alone; returns (exit code, output, seconds to the end)."""
+    code = ("import os, time, mpidp; mpidp.init(); "
+            "print(f'ready {mpidp.rank()} {os.getpid()}', flush=True)\n"
+            "while True: time.sleep(0.05)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([mpiexec(), "-n", "3", sys.executable, "-c", code], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(ROOT), stdin=subprocess.DEVNULL, start_new_session=True)
+    pids, lines = {}, []
+    try:
+        while len(pids) < 3:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("ready"):
+                _, r, pid = line.split()
+                pids[int(r)] = int(pid)
+        assert len(pids) == 3, "".join(lines)
+        began = time.time()
+        if target == "job":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(pids[2], signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        return proc.returncode, "".join(lines) + out, time.time() - began
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("target, speaker", [("job", 0), ("rank", 2)])
+def test_ctrl_c_is_reported_once_per_job(target, speaker):
+    """Ctrl-C reaches every rank: one line for the job (rank 0's), no traceback per rank. A
+    rank interrupted alone says so itself, and the job ends too."""
+    rc, out, secs = _interrupt(target)
+    assert rc != 0, out
+    assert out.count("interrupted (KeyboardInterrupt)") == 1, out
+    assert f"interrupted (KeyboardInterrupt) on rank {speaker}" in out, out
+    assert "Traceback" not in out and secs < BOUND_S, out
