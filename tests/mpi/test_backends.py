@@ -235,3 +235,15 @@ def test_data_allreduce_completes_whether_or_not_a_user_waits():
                 bad.append((i, n, float(a[0]), want))
     comm.Free()
     assert_all(not bad, f"wrong sums: {bad}")
+
+
+@pytest.mark.mpi
+def test_allgather_of_a_transposed_column_matches_host(paths, other):
+    """An (n, 1) tensor made by transposing a row is contiguous but keeps stride n on its last
+    dimension (a sparse gradient's indices are such): every path gathers it, 0 rows included."""
+    dims = [(r % 2) * 3 for r in range(SIZE)]  # rank 0 has no rows
+    col = (torch.arange(dims[RANK], dtype=torch.int64) + 10 * RANK).reshape(1, -1).t()
+    col = col.contiguous()
+    assert col.is_contiguous() and (dims[RANK] < 2 or col.stride(-1) != 1)
+    batch, entries = single("ag.col", ALLGATHER, col, first_dims=dims)
+    _check(paths["host"], other, batch, entries, f"transposed column, dims {dims}")

@@ -55,7 +55,9 @@ def _pg_op(reduce_op: int, is_bool: bool):
 def _rows_as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
     """A (rows, row_bytes) uint8 view of a contiguous tensor with `rows` rows."""
     row = math.prod(t.shape[1:]) if t.dim() > 0 else 1
-    return t.reshape(rows, row).view(_BYTE)
+    # Flat first: a contiguous tensor may still carry any stride on a dimension of size 1 (an
+    # (n, 1) transpose does), and a dtype view needs stride 1 on the last dimension.
+    return t.reshape(-1).view(_BYTE).reshape(rows, row * t.element_size())
 
 
 def open_group(comms, config, kind: str):
