@@ -130,18 +130,9 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     previous = _previous_excepthook
     if previous is not None and previous is not sys.__excepthook__:
         previous(exc_type, exc, tb)  # the user's own hook still runs; the default would repeat ours
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed stream must not stop the abort
-            pass
-    # The launcher forwards output through pipes it stops reading once it tears the job down:
-    # give it a moment to pass these lines on, or the job ends without saying why.
-    time.sleep(_ABORT_GRACE_S)
     # Without this, the other ranks would wait in their next collective for this one forever.
-    # MPICH's Abort returns to the caller while the launcher tears the job down: leave now.
-    world.Abort(1)
-    os._exit(1)
+    from .engine.mpi import end_job
+    end_job(_ABORT_GRACE_S)
 
 
 def _said_once(error: BaseException, rank: int) -> BaseException:

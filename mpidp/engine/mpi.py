@@ -3,6 +3,7 @@
 import ctypes
 import os
 import pickle
+import sys
 import time
 from typing import Optional
 
@@ -188,13 +189,26 @@ class WakeBox:
         self._sends = [r for r in self._sends if not r.Test()]
 
 
-def abort_job(message: str, grace_s: float = 0.3) -> None:
-    """Log `message` (critical), give the launcher `grace_s` to forward it, then end every rank
-    of the job: for failures that leave peers inside a collective. Does not return."""
-    logger.critical(message)
-    time.sleep(grace_s)  # the launcher stops forwarding output once it tears the job down
+def end_job(grace_s: float = 0.3) -> None:
+    """End every rank of the job (MPI_Abort), after flushing this rank's output and giving the
+    launcher `grace_s` to forward it. Does not return."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream must not stop the abort
+            pass
+    # The launcher forwards output through pipes it stops reading once it tears the job down:
+    # give it a moment to pass the last lines on, or the job ends without saying why.
+    time.sleep(grace_s)
     MPI.COMM_WORLD.Abort(1)
-    os._exit(1)  # MPICH's Abort may return while the launcher ends the job
+    os._exit(1)  # MPICH's Abort may return while the launcher ends the job: leave now
+
+
+def abort_job(message: str) -> None:
+    """Log `message` (critical), then end_job(): for failures that leave peers inside a
+    collective. Does not return."""
+    logger.critical(message)
+    end_job()
 
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
