@@ -3,7 +3,7 @@
 import torch
 
 from . import ops, runtime
-from .ops import Average
+from .ops import Average, Sum
 from .process_sets import member_of
 
 
@@ -77,10 +77,17 @@ class Alltoall(torch.autograd.Function):
         return back, None, None, None
 
 
+def _reducescatter_grad_scale(op, pre, post, ps) -> float:
+    """Horovod's rule: every rank's output gradient gathered, times size for Sum (1 for
+    Average), times the scale factors. That is size times the gradient of the sum of the ranks'
+    losses; kept so that a script moved from Horovod gets the same numbers (README)."""
+    return pre * post * (_size(ps) if op == Sum else 1)
+
+
 class Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, pre, post, ps):
-        ctx.scale = pre * post / (_size(ps) if op == Average else 1)
+        ctx.scale = _reducescatter_grad_scale(op, pre, post, ps)
         ctx.ps = ps
         return ops.synchronize(ops.reducescatter_async(tensor, name=name, op=op,
                                                        prescale_factor=pre,
@@ -154,7 +161,7 @@ class GroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, name, op, pre, post, ps, *tensors):
-        ctx.scale = pre * post / (_size(ps) if op == Average else 1)
+        ctx.scale = _reducescatter_grad_scale(op, pre, post, ps)
         ctx.ps = ps
         return tuple(ops.synchronize(ops.grouped_reducescatter_async(
             list(tensors), name, op, pre, post, ps)))

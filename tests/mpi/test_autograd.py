@@ -150,7 +150,7 @@ def test_reducescatter_gradient(op):
     x = torch.ones(dim0, 2, dtype=torch.float64) * (r + 1)
     ws = [weights(k, (rows[k], 2)) for k in range(n)]
     full = torch.cat(ws)
-    expected = full / n if op == mpidp.Average else full
+    expected = full * n if op == mpidp.Sum else full  # Horovod: size x for Sum, 1 x Average
     check_grad("reducescatter", lambda t: mpidp.reducescatter(t, name=name, op=op), x, ws[r],
                expected)
 
@@ -162,7 +162,7 @@ def test_reducescatter_gradient_with_scale_factors():
     rows = [2] * n
     x = torch.ones(2 * n, 2, dtype=torch.float64)
     ws = [weights(k, (rows[k], 2)) for k in range(n)]
-    expected = torch.cat(ws) * 2.0 * 0.25  # Horovod: allgather(grad) * prescale * postscale
+    expected = torch.cat(ws) * n * 2.0 * 0.25  # Horovod: allgather(grad) * size * pre * post
     check_grad("scaled reducescatter", lambda t: mpidp.reducescatter(
         t, name=name, op=mpidp.Sum, prescale_factor=2.0, postscale_factor=0.25), x, ws[r],
         expected)
@@ -224,7 +224,7 @@ def test_grouped_reducescatter_gradient_is_reducescatters_per_tensor(op):
         sum((o * w).sum() for o, w in zip(outs, ws[r])).backward()
         return [x.grad for x in xs]
     grads = run_all(run)
-    scale = 2.0 / n if op == mpidp.Average else 2.0  # as reducescatter's own rule
+    scale = 2.0 * n if op == mpidp.Sum else 2.0  # as reducescatter's own rule
     want = [torch.cat([ws[k][j] for k in range(n)]) * scale for j in range(2)]
     d = "; ".join(tensor_diff(g, w) for g, w in zip(grads, want) if tensor_diff(g, w))
     assert_all(not d, d)
