@@ -36,6 +36,7 @@ class Engine:
         self.neg = Negotiator(comms, config, self.stats)
         self.backend = make_backend(comms, config)
         self.backend.busy = self._user_waits
+        self.backend.stats = self.stats
         self._batch_bytes = BatchBytes(fusion.nbytes)
         # The knobs autotune may change; every rank changes them at the same cycle.
         self.fusion_threshold_bytes = config.fusion_threshold_bytes

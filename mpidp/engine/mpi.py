@@ -30,6 +30,13 @@ def mpi_op(reduce_op: int, is_bool: bool):
     return (_BOOL_OPS if is_bool else _MPI_OPS)[reduce_op]  # IntEnum keys: an int finds them
 
 
+def user_op(combine):
+    """A commutative MPI reduction op whose combine step is `combine(inbuf, inoutbuf)`. MPI
+    calls it on the thread that drives the collective (mpi4py takes the GIL around the call)."""
+    return MPI.Op.Create(lambda inbuf, inoutbuf, _datatype: combine(inbuf, inoutbuf),
+                         commute=True)
+
+
 def wait(request, spin: bool = True, poll=None) -> None:
     """Complete a non-blocking MPI request: spin briefly (if `spin`), then poll with a bounded
     back-off. Spinning pays off only when nobody on this rank needs the CPU. `poll()`, if given,

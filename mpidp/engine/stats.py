@@ -17,6 +17,9 @@ KEYS = {
     "tensors": "tensors those collectives carried (joined ranks' zeros included)",
     "tensors_per_collective": "tensors / collectives (0.0 before the first)",
     "bytes": "payload bytes of those tensors (each rank's own input; allgather: this rank's part)",
+    "wire_bytes": "bytes of the buffers this rank handed to those collectives, in the width "
+                  "they travel: as `bytes`, but a value reduced in a wider type counts that "
+                  "type's size, and padding counts",
     "negotiate_s": "seconds in negotiation calls, waiting for peers included (the one in "
                    "progress too)",
     "collective_s": "seconds in the data path (pack, MPI call, unpack, scaling; the batch in "
@@ -33,7 +36,8 @@ class EngineStats:
 
     __slots__ = ("cycles", "slow_cycles", "cache_hits", "cache_misses", "collectives",
                  "fused_collectives", "tensors", "bytes", "negotiate", "collective",
-                 "op_collectives", "op_tensors", "op_bytes", "started", "baseline")
+                 "op_collectives", "op_tensors", "op_bytes", "wire_bytes", "started",
+                 "baseline")
 
     def __init__(self):
         self.cycles = 0
@@ -44,6 +48,7 @@ class EngineStats:
         self.fused_collectives = 0
         self.tensors = 0
         self.bytes = 0
+        self.wire_bytes = 0  # counted by the data path, which alone knows the width
         # (seconds so far, start of the one in progress or 0.0), replaced whole so a reader
         # on another thread sees both halves of one moment: a window then counts only the
         # part of a long negotiation (an engine waiting for peers) that falls inside it.
@@ -102,6 +107,7 @@ class EngineStats:
             "tensors": tensors,
             "tensors_per_collective": tensors / collectives if collectives else 0.0,
             "bytes": self.bytes,
+            "wire_bytes": self.wire_bytes,
             "negotiate_s": spent[0],
             "collective_s": spent[1],
             "wall_s": now - self.started,

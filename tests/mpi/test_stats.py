@@ -5,7 +5,7 @@ import torch
 
 import mpidp
 from mpidp import observe
-from mpi_util import assert_all, gather, raises_all, run_all, same_everywhere
+from mpi_util import assert_all, gather, raises_all, run_all, same_everywhere, size
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,6 +68,54 @@ def test_other_collectives_are_counted_per_op():
     assert_all(by_op.get("allgather") == {"collectives": 1, "tensors": 1, "bytes": 24} and
                by_op.get("broadcast") == {"collectives": 1, "tensors": 1, "bytes": 32} and
                by_op.get("barrier", {}).get("bytes") == 0, str(by_op))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_wire_bytes_are_the_width_the_values_travel_in(dtype):
+    """16-bit floats travel as 16 bits: reductions of them (allreduce alone, fused, chunked past
+    chunk_bytes, reducescatter) put two bytes an element on the wire, not float32's four."""
+    n, width = size(), torch.tensor([], dtype=dtype).element_size()
+    big = (4 * 1024 * 1024) // width + 3  # more than the default chunk_bytes: chunked
+    observe.stats(reset=True)
+
+    def ops():
+        mpidp.allreduce(torch.ones(1000, dtype=dtype), name=f"stats.wire.{dtype}.one")
+        mpidp.grouped_allreduce([torch.ones(10, dtype=dtype), torch.ones(7, dtype=dtype)],
+                                name=f"stats.wire.{dtype}.group")
+        out = mpidp.allreduce(torch.ones(big, dtype=dtype), op=mpidp.Sum,
+                              name=f"stats.wire.{dtype}.big")
+        rs = mpidp.reducescatter(torch.ones(2 * n, 3, dtype=dtype), op=mpidp.Sum,
+                                 name=f"stats.wire.{dtype}.rs")
+        return bool((out == n).all() and (rs == n).all() and out.dtype == rs.dtype == dtype)
+    right = run_all(ops)
+    snap = observe.stats()
+    elements = 1000 + 17 + big + 6 * n
+    assert_all(right, "16-bit results wrong")
+    assert_all(snap["bytes"] == elements * width and snap["wire_bytes"] == elements * width,
+               f"{dtype}: {elements} elements of {width} bytes: bytes {snap['bytes']}, "
+               f"wire_bytes {snap['wire_bytes']}")
+
+
+def test_fp16_compression_halves_the_wire_bytes_of_a_training_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.ReLU(), torch.nn.Linear(20, 4))
+    elements = sum(p.numel() for p in model.parameters())
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     compression=mpidp.Compression.fp16)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(8, 30)).sum().backward()
+        opt.step()
+    run_all(step)  # the first step negotiates through the coordinator
+    observe.stats(reset=True)
+    run_all(step)
+    snap = observe.stats()
+    assert_all(snap["wire_bytes"] == 2 * elements,
+               f"one step of {elements} float32 gradients compressed to fp16 put "
+               f"{snap['wire_bytes']} bytes on the wire, not {2 * elements}")
 
 
 def test_window_gives_comm_fraction_of_the_steps_inside_it():

@@ -69,9 +69,10 @@ class Dispatch:
             yield backend
 
     # What the engine hands to every path underneath: its phase recorder (None: no timeline),
-    # and busy() (true while a user thread waits for a result).
+    # busy() (true while a user thread waits for a result), and its counters (wire bytes).
     timeline_mark = _Shared("timeline_mark")
     busy = _Shared("busy")
+    stats = _Shared("stats")
 
     def execute(self, batch: List, entries: List, *fusion_limits) -> list:
         """Run one batch on its device's path. Synchronization: that path's collectives."""

@@ -22,15 +22,24 @@ import numpy as np
 import torch
 
 from ...log import logger
-from .. import fusion, mpi
+from .. import fusion, half, mpi
 from ..messages import OpType, ReduceOp, Response, part_shapes
 from ..tensor_queue import Entry
 
-# MPI has no bfloat16 (MPICH rejects the op, Open MPI sums wrongly), and MPICH reduces float16
-# about 10x slower than float32 (11 ms vs 1.2 ms for 2.4 MB): reduce both in float32.
-_WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
-# Reinterpretation for ops that only move bytes (gather, broadcast, alltoall): numpy lacks bfloat16.
-_BYTES_VIEW = {torch.bfloat16: torch.int16}
+# 16-bit floats reach MPI as 16-bit words: numpy lacks bfloat16, and a reduction of them runs a
+# user-defined op (half.py), never MPI's built-in float16 arithmetic.
+_BYTES_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_HALF_OPS = {}  # (dtype, ReduceOp) -> MPI user op, created on first use (after MPI_Init)
+
+
+def reduction_op(dtype: torch.dtype, reduce_op: int):
+    """The MPI op that reduces `dtype` values (as _np hands them over) per `reduce_op`."""
+    if dtype in half.DTYPES:
+        op = _HALF_OPS.get((dtype, reduce_op))
+        if op is None:
+            op = _HALF_OPS[(dtype, reduce_op)] = mpi.user_op(half.combiner(dtype, reduce_op))
+        return op
+    return mpi.mpi_op(reduce_op, dtype == torch.bool)
 
 
 def _np(t: torch.Tensor):
@@ -108,9 +117,23 @@ class HostBackend:
         self.hierarchical = self._hierarchy_usable(comms, config)
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
+        self.stats = None  # set by the engine: its EngineStats (wire_bytes is counted here)
 
     def close(self) -> None:
         """Nothing to release: the communicators belong to Comms."""
+
+    def _wire(self, nbytes: int) -> None:
+        """Count `nbytes` of this rank's input handed to a collective, in the width it travels."""
+        if self.stats is not None:
+            self.stats.wire_bytes += nbytes
+
+    def reduce_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype a reduction of `dtype` values runs in. 16-bit floats keep their width on
+        host memory (half.py); device memory handed to CUDA-aware MPI, where the Python
+        combine step cannot read it, is reduced in float32."""
+        if dtype in half.DTYPES and device.type != "cpu":
+            return torch.float32
+        return dtype
 
     @staticmethod
     def _hierarchy_usable(comms, config) -> bool:
@@ -160,9 +183,10 @@ class HostBackend:
         Large tensors go in cache-sized chunks, each scaled right after its reduction while it
         is still in cache: a separate scaling pass over a big tensor costs as much as a copy.
         """
-        op = mpi.mpi_op(req.reduce_op, recv.dtype == torch.bool)
+        op = reduction_op(recv.dtype, req.reduce_op)
         recv_np = _np(recv)
         send_np = None if send is None else _np(send)
+        self._wire(recv.numel() * recv.element_size())
         step = self.config.chunk_bytes // max(1, recv.element_size())
         n = recv_np.size
         if step <= 0 or n <= step:
@@ -177,9 +201,9 @@ class HostBackend:
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
-        wide = _WIDEN.get(out.dtype)
-        if wide is not None or req.prescale != 1.0:
-            work = src.to(wide or out.dtype, copy=True)
+        wide = self.reduce_dtype(out.dtype, out.device)
+        if wide is not out.dtype or req.prescale != 1.0:
+            work = src.to(wide, copy=True)
             if req.prescale != 1.0:
                 scale_(work, req.prescale)
             if self.timeline_mark:
@@ -197,7 +221,7 @@ class HostBackend:
                           device) -> None:
         """Several tensors packed into the persistent fusion buffer, reduced as one."""
         dtype = srcs[0].dtype
-        wide = _WIDEN.get(dtype, dtype)
+        wide = self.reduce_dtype(dtype, device)
         sizes = [t.numel() for t in srcs]
         total = sum(sizes)
         buf = self._fusion.get((wide, device))
@@ -256,6 +280,7 @@ class HostBackend:
         out = t.new_empty((sum(resp.first_dims),) + tuple(t.shape[1:]))
         dims = resp.first_dims
         if len(set(dims)) == 1:
+            self._wire(t.numel() * t.element_size())
             mpi.allgather(self.comm, _np(t), _np(out))
             return out
         # Unequal blocks: pad to the largest and use Allgather, then compact. MPICH 5's
@@ -264,11 +289,13 @@ class HostBackend:
         most = max(dims)
         if most * len(dims) > 2 * sum(dims):
             counts = np.array(dims, dtype=np.int64) * row
+            self._wire(t.numel() * t.element_size())
             mpi.allgatherv(self.comm, _np(t), _np(out), counts)
             return out
         padded = t.new_empty((most * len(dims),) + tuple(t.shape[1:]))
         mine = t.new_zeros((most,) + tuple(t.shape[1:]))
         mine[: t.shape[0]].copy_(t)
+        self._wire(mine.numel() * mine.element_size())
         mpi.allgather(self.comm, _np(mine), _np(padded))
         torch.cat([padded[r * most: r * most + d] for r, d in enumerate(dims)], out=out)
         return out
@@ -277,6 +304,7 @@ class HostBackend:
         out = entry.output
         if out is not entry.tensor and self.rank == resp.request.root:
             out.copy_(entry.tensor)
+        self._wire(out.numel() * out.element_size())
         mpi.bcast(self.comm, _np(out), resp.request.root)
         return out
 
@@ -289,6 +317,7 @@ class HostBackend:
         recv_splits = mpi.alltoall_counts(self.comm, np.asarray(splits, dtype=np.int32))
         out = t.new_empty((int(recv_splits.sum()),) + tuple(t.shape[1:]))
         send = _np(t)[: int(np.sum(splits)) * row]
+        self._wire(send.nbytes)
         mpi.alltoallv(self.comm, send, np.asarray(splits, np.int64) * row, _np(out),
                       recv_splits.astype(np.int64) * row)
         return out, torch.from_numpy(recv_splits.copy())
@@ -297,7 +326,7 @@ class HostBackend:
         req = resp.request
         t = entry.tensor
         dtype = t.dtype
-        wide = _WIDEN.get(dtype, dtype)
+        wide = self.reduce_dtype(dtype, t.device)
         dim0 = t.shape[0]
         rows = uneven_counts(dim0, self.size)
         row = math.prod(t.shape[1:])
@@ -305,7 +334,8 @@ class HostBackend:
         if req.prescale != 1.0:
             scale_(work, req.prescale)
         out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide, device=t.device)
-        op = mpi.mpi_op(req.reduce_op, dtype == torch.bool)
+        op = reduction_op(wide, req.reduce_op)
+        self._wire(work.numel() * work.element_size())
         mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out),
                            [r * row for r in rows], op)
         self._scale_after(out, req)
