@@ -14,8 +14,8 @@ group. Results equal the MPI host path's exactly wherever that one is exact, bec
 semantics are shared with HostBackend (subclassed): joined ranks add zeros, prescale before and
 Average/postscale after the reduction, integers scaled as Horovod does (times the double
 factor, truncated). float16/bfloat16 are reduced in their own width, as gloo and NCCL do it
-natively (gloo: float16 0.93x, bfloat16 0.54x the time of float32 for 64 MB of float32 here,
-where widening took 1.39x; BENCHMARKS.md). Type mapping for reductions: bool is
+natively (gloo here: float16 0.8-1.1x, bfloat16 0.6-0.9x the time of float32 for 4-64 MB,
+where widening took 1.15-1.3x; BENCHMARKS.md). Type mapping for reductions: bool is
 reduced as uint8 with MAX (logical or: Sum, Average, Max) or MIN (logical and: Min, Product), as
 the MPI path does; int16 (which gloo and NCCL lack) in int32, cast back with the same wrap-
 around. Byte-moving collectives (allgather, broadcast, alltoall) move uint8 views, so every
