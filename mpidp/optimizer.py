@@ -1,6 +1,7 @@
 """DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets as they become ready."""
 
 import contextlib
+import functools
 import warnings
 from typing import Dict
 
@@ -69,7 +70,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_sync = True
         self._counting = True
         self._warned_double_sync = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in trained]
+        # The tensor hook refuses a gradient too many before torch adds it to .grad: after
+        # accumulation it would already have changed a .grad whose reduction may be in flight.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in trained] + \
+            [p.register_hook(functools.partial(self._before_accumulation, p)) for p in trained]
 
     # ---- attribute pass-through ----
 
@@ -149,6 +153,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         self._passes_per_step = passes
 
+    def _too_many_passes(self, p) -> RuntimeError:
+        return RuntimeError(
+            f"DistributedOptimizer: parameter {self._names[p]!r} got a gradient from "
+            f"another backward pass after its gradient was submitted for reduction (after "
+            f"{self._passes_per_step} backward pass(es) and before optimizer.step()). Call "
+            f"optimizer.step() or optimizer.synchronize() before the next backward pass, or "
+            f"accumulate passes with DistributedOptimizer(backward_passes_per_step=N)")
+
+    def _before_accumulation(self, p, grad) -> None:
+        if self._counting and self._passes.get(p, 0) >= self._passes_per_step:
+            raise self._too_many_passes(p)
+
     def _hook(self, p) -> None:
         if not self._counting:
             return
@@ -158,12 +174,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket = self._bucket_of[p]
         if count > self._passes_per_step or bucket.submitted:
-            raise RuntimeError(
-                f"DistributedOptimizer: parameter {self._names[p]!r} got a gradient from "
-                f"another backward pass after its gradient was submitted for reduction (after "
-                f"{self._passes_per_step} backward pass(es) and before optimizer.step()). Call "
-                f"optimizer.step() or optimizer.synchronize() before the next backward pass, or "
-                f"accumulate passes with DistributedOptimizer(backward_passes_per_step=N)")
+            raise self._too_many_passes(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._submit(bucket)

@@ -1,6 +1,7 @@
 """DistributedOptimizer: N ranks on N shards equal one process on the whole batch, and its edge cases."""
 
 import copy
+import time
 import warnings
 import zlib
 
@@ -447,6 +448,9 @@ def test_second_backward_before_step_raises_naming_parameter_and_remedies():
                                      named_parameters=model.named_parameters())
     (x, y), = _data(steps=1, micro=1)[0]
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+    # Let the first pass's reduction finish and land in .grad: a refused pass must not have
+    # added its gradient to it (the replicas would differ from here on).
+    time.sleep(0.3)
     err = ""
     try:
         F.cross_entropy(model(_shard(x)), _shard(y)).backward()
