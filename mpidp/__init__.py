@@ -1,4 +1,4 @@
-"""mpidp: data-parallel training for PyTorch over MPI, Horovod-compatible (import mpidp.torch as hvd)."""
+"""mpidp: data-parallel training for PyTorch over MPI, Horovod-compatible (mpidp.torch as hvd)."""
 
 from .collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
                           grouped_allgather, grouped_allreduce, grouped_allreduce_,
@@ -18,14 +18,35 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allr
                   allreduce_async_, alltoall_async, barrier, broadcast_async, broadcast_async_,
                   grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                   grouped_reducescatter_async, join, poll, reducescatter_async,
-                  sparse_allreduce_async, synchronize)
+                  synchronize)
+from .sparse import sparse_allreduce_async
 from .runtime import init, is_initialized, rank, shutdown, size
 from .topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                        gloo_enabled, is_homogeneous, local_rank, local_size, mpi_built,
                        mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 
-from . import checkpoint, elastic  # noqa: E402 (submodules as attributes: mpidp.checkpoint.save)
+from . import checkpoint, elastic  # noqa: E402,F401 (submodules as attributes: mpidp.checkpoint.save)
 
 __version__ = "0.1.0"
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# Written out, not computed from dir(): a star import (mpidp.torch's) must bring the public
+# names only, never mpidp's modules (runtime, log, engine); docs/api.md lists the same names
+# and tests/unit/test_public_api.py holds the two together.
+__all__ = [
+    "Adasum", "Average", "CheckpointError", "CheckpointNotFoundError", "CollectiveError",
+    "Compression", "ConfigError", "DistributedOptimizer", "EngineShutdownError",
+    "HorovodInternalError", "Max", "Min", "MismatchError", "MpidpError", "NotInitializedError",
+    "OpTimeoutError", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "check_replicas",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async",
+    "start_timeline", "stats", "stats_window", "stop_timeline", "synchronize",
+]

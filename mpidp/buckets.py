@@ -1,4 +1,4 @@
-"""DistributedOptimizer's parameters: their names, and the buckets their gradients are reduced in."""
+"""DistributedOptimizer's parameters: their names, and the buckets their gradients go in."""
 
 from typing import Dict, List
 

@@ -1,10 +1,10 @@
-"""Blocking collectives, differentiable where Horovod's are (allreduce, allgather, broadcast, ...)."""
+"""Blocking collectives, differentiable where Horovod's are (allreduce, allgather, ...)."""
 
 import functools
 
 import torch
 
-from . import autograd, ops
+from . import autograd, op_args, ops
 from .compression import Compression
 from .ops import Average
 
@@ -40,7 +40,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce `tensor` across ranks into a new tensor; differentiable.
     Synchronization: blocks until every rank has submitted `name` and the reduction is done."""
-    op = ops._resolve_op(average, op, "allreduce")
+    op = op_args.resolve_op(average, op, "allreduce")
     return _compressed(autograd.Allreduce, ops.allreduce_async, tensor, compression, name, op,
                        prescale_factor, postscale_factor, process_set)
 
@@ -48,7 +48,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 @_blocking
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
-    """Reduce `tensor` in place across ranks; returns it. Synchronization: blocks (see allreduce)."""
+    """Reduce `tensor` in place across ranks; returns it. Synchronization: as allreduce."""
     return ops.synchronize(ops.allreduce_async_(tensor, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
@@ -60,7 +60,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     Blocks until every rank has submitted the group."""
     wire = [compression.compress(t) for t in tensors]
     if any(_wants_grad(w) for w, _ in wire):
-        op = ops._resolve_op(average, op, "grouped_allreduce")
+        op = op_args.resolve_op(average, op, "grouped_allreduce")
         outs = autograd.GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor,
                                                process_set, *[w for w, _ in wire])
     else:

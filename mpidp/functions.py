@@ -1,4 +1,4 @@
-"""Training helpers: broadcast parameters, optimizer state and objects; gather objects; check replicas."""
+"""Training helpers: broadcast parameters, optimizer state, objects; gather objects; replicas."""
 
 import pickle
 import zlib

@@ -1,4 +1,4 @@
-"""Observability: engine counters (stats, stats_window) and the Chrome-trace timeline at run time."""
+"""Observability: engine counters (stats, stats_window) and the Chrome-trace timeline."""
 
 import os
 import time

@@ -1,4 +1,4 @@
-"""DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets as they become ready."""
+"""DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets when ready."""
 
 import contextlib
 import functools
@@ -7,11 +7,12 @@ from typing import Dict
 
 import torch
 
-from . import ops, runtime
+from . import op_args, ops, runtime
+from .sparse import SparseGradients, sparse_allreduce_async
 from .buckets import Bucket, make_buckets, named
 from .process_sets import is_outside, member_of
 from .compression import Compression
-from .ops import Average, Sum
+from .ops import Average
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -37,7 +38,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer: this optimizer is already a "
                              "DistributedOptimizer; wrap the plain torch optimizer once (pass "
                              "`opt` rather than `DistributedOptimizer(opt)`)")
-        op = ops._resolve_op(None, op, "DistributedOptimizer")
+        op = op_args.resolve_op(None, op, "DistributedOptimizer")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         if gradient_predivide_factor <= 0:
@@ -46,17 +47,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # A rank outside the set does what Horovod does there: no hooks, synchronize() does
         # nothing, step() applies the local gradients. Any other bad set is refused here.
         self._outside = is_outside(process_set)
-        self._set_size = 1 if self._outside else \
-            member_of(process_set, "DistributedOptimizer")[1].size
+        if not self._outside:
+            member_of(process_set, "DistributedOptimizer")
         self._process_set = process_set
         self._names = named(optimizer, named_parameters)
         self._compression = compression
         self._op = op
-        # Average as Sum with scaling: divide by the factor before and by size/factor after.
+        # Predivide: divide by the factor before the sum, multiply by it after (where the
+        # engine also divides by size for Average).
         self._pre = 1.0 / gradient_predivide_factor
         self._post_factor = gradient_predivide_factor
-        self._sparse_as_dense = sparse_as_dense
-        self._sparse_dims: Dict[torch.nn.Parameter, int] = {}  # seen sparse: its sparse_dim
+        self._is_sparse = SparseGradients(sparse_as_dense)
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
         # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
@@ -187,23 +188,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()  # sparse_as_dense
         return p.grad
 
-    def _is_sparse(self, p) -> bool:
-        """Whether p's gradient goes as a sparse op. Once seen sparse, a parameter stays so: a
-        rank whose loss did not touch it then sends an empty sparse gradient, as its peers do."""
-        if self._sparse_as_dense:
-            return False
-        if p.grad is not None and p.grad.is_sparse:
-            self._sparse_dims[p] = p.grad.sparse_dim()
-            return True
-        dims = self._sparse_dims.get(p)
-        if dims is not None and p.grad is None:
-            # Same layout as the peers' (an embedding's gradient is sparse in dim 0 only).
-            p.grad = torch.sparse_coo_tensor(
-                torch.zeros((dims, 0), dtype=torch.long, device=p.device),
-                torch.zeros((0,) + tuple(p.shape[dims:]), dtype=p.dtype, device=p.device),
-                p.shape, check_invariants=True)
-        return dims is not None
-
     def _submit(self, bucket: Bucket) -> None:
         """One op for the bucket's dense gradients and one per sparse gradient. The first
         dense submission goes through the checked path and its request is kept; later ones
@@ -217,15 +201,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dense = bucket.params
         # Horovod reduces sparse gradients by gathering every rank's indices and values; the
         # op is Average or Sum as asked, with no compression (there is no dense buffer to cast).
-        bucket.sparse = [(p, ops.sparse_allreduce_async(
+        bucket.sparse = [(p, sparse_allreduce_async(
             p.grad, name=f"{self._names[p]}.sparse", op=self._op, process_set=self._process_set))
             for p in sparse]
         bucket.dense = dense
         if not dense:
             bucket.wires = bucket.ctxs = ()
             return
-        op = Sum if self._op == Average else self._op
-        post = self._post_factor / self._set_size if self._op == Average else 1.0
+        # Average's 1/size is applied by the engine (scaling.py) after the predivided sum.
+        op, post = self._op, self._post_factor
         wires, ctxs = [], []
         for p in dense:
             wire, ctx = self._compression.compress(self._grad_of(p))

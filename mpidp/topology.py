@@ -34,8 +34,8 @@ def mpi_threads_supported() -> bool:
 
 
 def _available() -> dict:
-    from .engine.backends import available
-    return available()
+    from .engine.backends import built
+    return built()
 
 
 def mpi_enabled() -> bool:

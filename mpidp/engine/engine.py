@@ -1,4 +1,4 @@
-"""The engine: sleeps until work arrives, then runs negotiation cycles (protocol.py) and executes what is ready."""
+"""The engine: sleeps until work arrives, then runs negotiation cycles and executes the ready."""
 
 import contextlib
 import threading

@@ -1,15 +1,10 @@
-"""Fusion policy: which ready allreduces share a buffer, and which tensors of a bucket are packed; decided from metadata only, so every rank agrees."""
+"""Fusion policy, from metadata only: which allreduces share a buffer, which parts are packed."""
 
 import math
 from typing import Dict, List, Tuple
 
-import torch
-
+from .dtypes import ITEMSIZE as _ITEMSIZE
 from .messages import OpType, Response, part_shapes
-
-_ITEMSIZE = {name: torch.empty((), dtype=getattr(torch, name)).element_size()
-             for name in ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
-                          "float32", "float64", "bool")}
 
 
 def nbytes(response: Response) -> int:

@@ -13,9 +13,11 @@ from typing import Callable
 
 import torch
 
+from . import mpi
+from .dtypes import HALF
 from .messages import ReduceOp
 
-DTYPES = (torch.float16, torch.bfloat16)
+_OPS = {}  # (dtype, ReduceOp) -> MPI user op, created on first use (after MPI_Init)
 
 
 def _combine(fn: Callable, dtype: torch.dtype) -> Callable:
@@ -42,3 +44,14 @@ def combiner(dtype: torch.dtype, reduce_op: int) -> Callable:
     """combine(inbuf, inoutbuf): inoutbuf <- inbuf (op) inoutbuf, elementwise over buffers of
     `dtype` values (Average adds: the division comes after the collective)."""
     return _combine(_FNS[ReduceOp(reduce_op)], dtype)
+
+
+def mpi_reduce_op(dtype: torch.dtype, reduce_op: int):
+    """The MPI op that reduces `dtype` values (16-bit floats as 16-bit words) per `reduce_op`:
+    a user-defined op with the combiner above for 16-bit floats, MPI's own for the rest."""
+    if dtype in HALF:
+        op = _OPS.get((dtype, reduce_op))
+        if op is None:
+            op = _OPS[(dtype, reduce_op)] = mpi.user_op(combiner(dtype, reduce_op))
+        return op
+    return mpi.mpi_op(reduce_op, dtype == torch.bool)

@@ -1,4 +1,4 @@
-"""Completion of an op (set once by the engine, awaited by users) and the integer handles users hold."""
+"""Completion of an op (set once by the engine, awaited by users) and the handles users hold."""
 
 import itertools
 import threading
@@ -54,7 +54,7 @@ class Handle:
 
 
 class HandleTable:
-    """Integer handles as Horovod returns them: each names the ops (Entry records) of one user call."""
+    """Integer handles as Horovod returns them: each names the ops (Entry records) of one call."""
 
     def __init__(self):
         self._ids = itertools.count(1)  # next() on a count is atomic under the GIL

@@ -56,7 +56,7 @@ class Request(NamedTuple):
     parts: Tuple[Tuple[int, ...], ...] = ()
 
     def signature(self) -> tuple:
-        """What must be equal on every rank for the same name (alltoall/allgather: dim 0 may differ)."""
+        """What must be equal on every rank for one name (alltoall/allgather: dim 0 may differ)."""
         if self.op in (OpType.ALLGATHER, OpType.ALLTOALL):
             shape = ("*",) + tuple(self.shape[1:]) if self.shape else ("scalar",)
         else:

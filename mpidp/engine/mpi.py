@@ -1,4 +1,4 @@
-"""The engine's MPI module: the only engine code that touches mpi4py (communicators, polling, wire calls)."""
+"""The engine's MPI module, its only code that touches mpi4py: communicators, polling, calls."""
 
 import ctypes
 import os

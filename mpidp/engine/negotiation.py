@@ -1,6 +1,5 @@
-"""The coordinator's pure logic: count which ranks submitted each name, validate, order responses."""
+"""The coordinator's pure logic: count which ranks submitted each name, validate, order them."""
 
-import time
 from typing import Dict, List, Sequence
 
 from .messages import JOIN_NAME, OP_NAMES, OpType, ReduceOp, Request, Response, op_label
@@ -62,7 +61,7 @@ def _first_differing_part(requests: Dict[int, Request]):
 
 
 def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
-    """Empty string if the ranks' requests agree, else one message naming tensor, ranks and field."""
+    """Empty if the ranks' requests agree, else one message naming tensor, ranks and field."""
     first = requests[min(requests)]
     label = op_label(first)
     part = _first_differing_part(requests)
@@ -95,7 +94,6 @@ class MessageTable:
     def __init__(self, size: int):
         self.size = size
         self.table: Dict[str, Dict[int, Request]] = {}
-        self.first_seen: Dict[str, float] = {}
         self.joined: List[int] = []
         self.join_serial = 0
 
@@ -107,7 +105,6 @@ class MessageTable:
                 self.join_serial = max(self.join_serial, req.serial)
                 continue
             slot = self.table.setdefault(req.name, {})
-            self.first_seen.setdefault(req.name, time.monotonic())
             slot[rank] = req
 
     def ready(self) -> List[Response]:
@@ -119,7 +116,6 @@ class MessageTable:
             if len(slot) + len(joined - set(slot)) < self.size:
                 continue
             del self.table[name]
-            del self.first_seen[name]
             error = validate(slot, sorted(joined - set(slot)))
             first = slot[min(slot)]
             if error:

@@ -1,4 +1,4 @@
-"""The stall inspector (rank 0): names ops some ranks submitted and others did not, and when to give up."""
+"""The stall inspector (rank 0): names ops some ranks submitted and others not; when to give up."""
 
 import time
 from typing import Dict, List, Optional, Sequence, Tuple

@@ -1,4 +1,4 @@
-"""The op record and the submission queue: every op in flight on this rank, in one table, by name."""
+"""The op record and the submission queue: every op in flight on this rank, in one table."""
 
 import threading
 import time

@@ -1,4 +1,4 @@
-"""Chrome-trace timeline written by rank 0: per tensor, queue, negotiation (with arrivals), collective phases.
+"""Chrome-trace timeline by rank 0: per tensor, queue, negotiation (with arrivals), data phases.
 
 File format (the Trace Event Format that Perfetto and chrome://tracing load): a JSON array of
 events, one per line. Every event has "ph", "pid" (0), "tid", "ts" (microseconds since the

@@ -1,4 +1,8 @@
 """Horovod's `horovod.torch.compression`: gradient compressors (code in mpidp/compression.py)."""
 
-from mpidp.compression import (BF16Compressor, Compression, Compressor,  # noqa: F401
+from mpidp.compression import (BF16Compressor, Compression, Compressor,
                                FP16Compressor, NoneCompressor)
+
+__all__ = [
+    "BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor",
+]

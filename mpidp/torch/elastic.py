@@ -1,3 +1,7 @@
 """Horovod's `horovod.torch.elastic`: state, sampler, retry loop (code in mpidp/elastic.py)."""
 
-from mpidp.elastic import ElasticSampler, ObjectState, State, TorchState, run  # noqa: F401
+from mpidp.elastic import ElasticSampler, ObjectState, State, TorchState, run
+
+__all__ = [
+    "ElasticSampler", "ObjectState", "run", "State", "TorchState",
+]

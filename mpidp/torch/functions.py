@@ -1,4 +1,8 @@
-"""Horovod's `horovod.torch.functions`: state broadcasts, object collectives (mpidp/functions.py)."""
+"""Horovod's `horovod.torch.functions`: state broadcasts, object collectives (functions.py)."""
 
-from mpidp.functions import (allgather_object, broadcast_object,  # noqa: F401
+from mpidp.functions import (allgather_object, broadcast_object,
                              broadcast_optimizer_state, broadcast_parameters)
+
+__all__ = [
+    "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+]

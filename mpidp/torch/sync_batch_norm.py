@@ -1,3 +1,7 @@
-"""Horovod's `horovod.torch.sync_batch_norm`: batch norm over all ranks (mpidp/sync_batch_norm.py)."""
+"""Horovod's `horovod.torch.sync_batch_norm`: batch norm over all ranks (sync_batch_norm.py)."""
 
-from mpidp.sync_batch_norm import SyncBatchNorm  # noqa: F401
+from mpidp.sync_batch_norm import SyncBatchNorm
+
+__all__ = [
+    "SyncBatchNorm",
+]

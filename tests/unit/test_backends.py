@@ -7,7 +7,8 @@ from mpidp import config as mpidp_config
 from mpidp.engine import mpi
 from mpidp.engine.backends import Dispatch, available, make_backend
 from mpidp.engine.backends.cuda import StagedBackend, StreamOrdered, cuda_aware_mpi
-from mpidp.engine.backends.host import scale_after, uneven_counts
+from mpidp.engine.backends.host import uneven_counts
+from mpidp.engine.scaling import scale_after
 from mpidp.engine.backends.torchdist import _pg_op, _rows_as_bytes
 from mpidp.engine.messages import OpType, ReduceOp, Request, Response
 from mpidp.engine.tensor_queue import Entry

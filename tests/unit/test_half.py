@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mpidp.engine import half
+from mpidp.engine.dtypes import HALF
 from mpidp.engine.messages import ReduceOp
 
 REFERENCE = {ReduceOp.SUM: torch.add, ReduceOp.AVERAGE: torch.add,
@@ -11,7 +12,7 @@ REFERENCE = {ReduceOp.SUM: torch.add, ReduceOp.AVERAGE: torch.add,
              ReduceOp.PRODUCT: torch.mul}
 
 
-@pytest.mark.parametrize("dtype", half.DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("op", list(REFERENCE), ids=lambda o: o.name)
 def test_combine_is_float32_arithmetic_rounded_to_the_dtype(dtype, op):
     torch.manual_seed(int(op))
@@ -26,6 +27,6 @@ def test_combine_is_float32_arithmetic_rounded_to_the_dtype(dtype, op):
     assert torch.equal(torch.frombuffer(inbuf, dtype=dtype), a), "the input buffer was written"
 
 
-@pytest.mark.parametrize("dtype", half.DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_combine_of_nothing_is_a_no_op(dtype):
     half.combiner(dtype, ReduceOp.SUM)(bytearray(), bytearray())

@@ -23,11 +23,9 @@ import torch
 from ...errors import ConfigError, MpidpError
 
 
-def available() -> Dict[str, Optional[bool]]:
-    """What this process can use: gloo/nccl built into torch, CUDA built and present, and
-    whether MPI accepts CUDA buffers (None: the library cannot tell). Local, no communication;
-    `cuda_aware_mpi` needs MPI initialised."""
-    from .. import mpi
+def built() -> Dict[str, bool]:
+    """What torch brings: gloo/nccl built in, CUDA built and present. Touches no MPI, so the
+    `*_built()` queries may run before init() (importing mpi4py.MPI would initialise MPI)."""
     import torch.distributed as dist
     dist_ok = dist.is_available()
     return {
@@ -35,8 +33,14 @@ def available() -> Dict[str, Optional[bool]]:
         "nccl": bool(dist_ok and dist.is_nccl_available()),
         "cuda_built": bool(torch.backends.cuda.is_built()),
         "cuda_available": bool(torch.cuda.is_available()),
-        "cuda_aware_mpi": mpi.cuda_aware_support(),
     }
+
+
+def available() -> Dict[str, Optional[bool]]:
+    """built(), and whether MPI accepts CUDA buffers (None: the library cannot tell). Local, no
+    communication; needs MPI initialised."""
+    from .. import mpi
+    return dict(built(), cuda_aware_mpi=mpi.cuda_aware_support())
 
 
 class _Shared:

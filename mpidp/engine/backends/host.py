@@ -22,24 +22,10 @@ import numpy as np
 import torch
 
 from ...log import logger
-from .. import fusion, half, mpi
-from ..messages import OpType, ReduceOp, Response, part_shapes
+from .. import dtypes, fusion, half, mpi, scaling
+from ..messages import OpType, Response, part_shapes
 from ..tensor_queue import Entry
 
-# 16-bit floats reach MPI as 16-bit words: numpy lacks bfloat16, and a reduction of them runs a
-# user-defined op (half.py), never MPI's built-in float16 arithmetic.
-_BYTES_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-_HALF_OPS = {}  # (dtype, ReduceOp) -> MPI user op, created on first use (after MPI_Init)
-
-
-def reduction_op(dtype: torch.dtype, reduce_op: int):
-    """The MPI op that reduces `dtype` values (as _np hands them over) per `reduce_op`."""
-    if dtype in half.DTYPES:
-        op = _HALF_OPS.get((dtype, reduce_op))
-        if op is None:
-            op = _HALF_OPS[(dtype, reduce_op)] = mpi.user_op(half.combiner(dtype, reduce_op))
-        return op
-    return mpi.mpi_op(reduce_op, dtype == torch.bool)
 
 
 def _np(t: torch.Tensor):
@@ -47,7 +33,7 @@ def _np(t: torch.Tensor):
     the flat tensor itself (read through `__cuda_array_interface__`) for a CUDA one."""
     if t.requires_grad:
         t = t.detach()
-    view = _BYTES_VIEW.get(t.dtype)
+    view = dtypes.MPI_VIEW.get(t.dtype)
     if view is not None:
         t = t.view(view)
     flat = t if t.dim() == 1 else t.reshape(-1)
@@ -56,10 +42,6 @@ def _np(t: torch.Tensor):
         torch.cuda.current_stream(flat.device).synchronize()
         return flat
     return flat.numpy()
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def local_device(batch: List[Response], entries: List[Optional[Entry]]) -> torch.device:
@@ -78,29 +60,6 @@ def local_device(batch: List[Response], entries: List[Optional[Entry]]) -> torch
 def uneven_counts(n: int, parts: int) -> List[int]:
     """How `n` rows split over `parts` ranks: the first n % parts ranks get one extra row."""
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
-
-
-def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """Multiply `t` by `factor` in place; returns `t`. Integers follow Horovod's rule:
-    multiply by the double factor, then cast back (truncating toward zero)."""
-    if t.is_floating_point():
-        t.mul_(factor)
-    else:
-        t.copy_(t.to(torch.float64).mul_(factor))
-    return t
-
-
-def scale_after(out: torch.Tensor, req, size: int) -> None:
-    """Apply Average's division and the postscale factor to a reduced tensor, in place.
-
-    Average folds 1/size into the postscale, for integers too: the sum times the double
-    postscale/size, truncated toward zero, as Horovod computes it (so -3 over 2 ranks is -1).
-    """
-    post = req.postscale
-    if req.reduce_op == ReduceOp.AVERAGE:
-        post = post / size
-    if post != 1.0:
-        scale_(out, post)
 
 
 class HostBackend:
@@ -128,12 +87,8 @@ class HostBackend:
             self.stats.wire_bytes += nbytes
 
     def reduce_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """The dtype a reduction of `dtype` values runs in. 16-bit floats keep their width on
-        host memory (half.py); device memory handed to CUDA-aware MPI, where the Python
-        combine step cannot read it, is reduced in float32."""
-        if dtype in half.DTYPES and device.type != "cpu":
-            return torch.float32
-        return dtype
+        """The dtype a reduction of `dtype` values runs in (dtypes.mpi_reduce_dtype)."""
+        return dtypes.mpi_reduce_dtype(dtype, device)
 
     @staticmethod
     def _hierarchy_usable(comms, config) -> bool:
@@ -175,7 +130,7 @@ class HostBackend:
     # ---- allreduce ----
 
     def _scale_after(self, out: torch.Tensor, req) -> None:
-        scale_after(out, req, self.size)
+        scaling.scale_after(out, req, self.size)
 
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
         """Allreduce a contiguous tensor into `recv` (in place when send is None), then scale it.
@@ -183,7 +138,7 @@ class HostBackend:
         Large tensors go in cache-sized chunks, each scaled right after its reduction while it
         is still in cache: a separate scaling pass over a big tensor costs as much as a copy.
         """
-        op = reduction_op(recv.dtype, req.reduce_op)
+        op = half.mpi_reduce_op(recv.dtype, req.reduce_op)
         recv_np = _np(recv)
         send_np = None if send is None else _np(send)
         self._wire(recv.numel() * recv.element_size())
@@ -201,11 +156,8 @@ class HostBackend:
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
-        wide = self.reduce_dtype(out.dtype, out.device)
-        if wide is not out.dtype or req.prescale != 1.0:
-            work = src.to(wide, copy=True)
-            if req.prescale != 1.0:
-                scale_(work, req.prescale)
+        work = scaling.work_copy(src, self.reduce_dtype(out.dtype, out.device), req)
+        if work is not src:
             if self.timeline_mark:
                 self.timeline_mark("pack")
             self._reduce_flat(None, work.view(-1), req)
@@ -235,7 +187,7 @@ class HostBackend:
         else:
             buf.copy_(torch.cat(flat))
         if req.prescale != 1.0:
-            scale_(buf, req.prescale)
+            scaling.scale_(buf, req.prescale)
         if self.timeline_mark:
             self.timeline_mark("pack")
         self._reduce_flat(None, buf, req)
@@ -254,7 +206,7 @@ class HostBackend:
         srcs, outs, results = [], [], []
         for resp, entry in zip(batch, entries):
             if entry is None:
-                zeros = [torch.zeros(s, dtype=_dtype(req.dtype), device=device)
+                zeros = [torch.zeros(s, dtype=dtypes.BY_NAME[req.dtype], device=device)
                          for s in part_shapes(resp.request)]
                 srcs += zeros
                 outs += zeros
@@ -330,11 +282,9 @@ class HostBackend:
         dim0 = t.shape[0]
         rows = uneven_counts(dim0, self.size)
         row = math.prod(t.shape[1:])
-        work = t.to(wide, copy=True) if (wide is not dtype or req.prescale != 1.0) else t
-        if req.prescale != 1.0:
-            scale_(work, req.prescale)
+        work = scaling.work_copy(t, wide, req)
         out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide, device=t.device)
-        op = reduction_op(wide, req.reduce_op)
+        op = half.mpi_reduce_op(wide, req.reduce_op)
         self._wire(work.numel() * work.element_size())
         mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out),
                            [r * row for r in rows], op)

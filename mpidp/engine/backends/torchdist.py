@@ -28,7 +28,7 @@ code runs on CUDA tensors and has never run (no GPU). """
 import datetime
 import math
 import socket
-from typing import List, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -39,10 +39,11 @@ from ...log import logger
 from .. import mpi
 from ..messages import ReduceOp, Response
 from ..tensor_queue import Entry
-from .host import HostBackend, scale_, uneven_counts
+from .. import dtypes, scaling
+from .host import HostBackend, uneven_counts
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=300)
-_BYTE = torch.uint8
+_BYTE = dtypes.BYTE
 
 
 def _pg_op(reduce_op: int, is_bool: bool):
@@ -124,8 +125,8 @@ class ProcessGroupBackend(HostBackend):
         is_bool = recv.dtype == torch.bool
         if is_bool:
             work = recv.view(_BYTE)
-        elif recv.dtype == torch.int16:
-            work = recv.to(torch.int32)
+        elif recv.dtype in dtypes.GROUP_REDUCE:
+            work = recv.to(dtypes.GROUP_REDUCE[recv.dtype])
         else:
             work = recv
         self._wire(work.numel() * work.element_size())
@@ -184,11 +185,8 @@ class ProcessGroupBackend(HostBackend):
         req = resp.request
         t = entry.tensor
         dtype = t.dtype
-        wide = torch.int32 if dtype == torch.int16 else dtype
-        work = t.to(wide, copy=True) if (wide is not dtype or req.prescale != 1.0) \
-            else t.contiguous()
-        if req.prescale != 1.0:
-            scale_(work, req.prescale)
+        wide = dtype if dtype == torch.bool else dtypes.GROUP_REDUCE.get(dtype, dtype)
+        work = scaling.work_copy(t.contiguous(), wide, req)
         is_bool = dtype == torch.bool
         if is_bool:
             work = work.view(_BYTE)
@@ -204,12 +202,6 @@ class ProcessGroupBackend(HostBackend):
         self._scale_after(out, req)
         return out if out.dtype == dtype else out.to(dtype)
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
-                *fusion_limits) -> list:
-        """Run one batch; see HostBackend.execute. Synchronization: the process group's calls."""
-        # A barrier needs no data: negotiation already waited for every rank, and a joined
-        # rank (whose engine skips the barrier) must not be waited for here.
-        return super().execute(batch, entries, *fusion_limits)
 
 
 def _reduce_scatter_options(req, is_bool: bool):

@@ -1,0 +1,133 @@
+"""Arguments of the collectives: checked tensors, reduce ops, names, splits; the requests made."""
+
+import warnings
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from .engine.dtypes import NAMES as _DTYPE_NAMES
+from .engine.messages import OpType, ReduceOp, Request
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+
+
+def check_tensor(tensor, what: str, inplace: bool) -> torch.Tensor:
+    """The tensor the engine may read (and write, if in place), or a clear TypeError/ValueError."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what}: sparse tensors are not supported here; call "
+                        f"tensor.to_dense() first")
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported; use one of "
+                        f"{', '.join(_DTYPE_NAMES.values())}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: tensor is on {tensor.device}, but mpidp moves host memory "
+                         f"and CUDA memory only; call .cpu() first")
+    if not tensor.is_contiguous():
+        if inplace:
+            raise ValueError(f"{what}: in-place ops need a contiguous tensor (this one has "
+                             f"strides {tensor.stride()}); call .contiguous() and use the result, "
+                             f"or use the out-of-place form, which copies")
+        tensor = tensor.contiguous()
+    return tensor.detach()
+
+
+def same_device(tensors: List[torch.Tensor], what: str) -> None:
+    """A grouped op runs on one data path: every tensor on the same kind of device (checked
+    after each tensor passed _check_tensor, whose message names the tensor)."""
+    kinds = [t.device.type for t in tensors]
+    if len(set(kinds)) > 1:
+        odd = next(i for i, k in enumerate(kinds) if k != kinds[0])
+        raise ValueError(f"{what}: tensor {odd} is on {tensors[odd].device} but tensor 0 is on "
+                         f"{tensors[0].device}; a grouped op needs all its tensors on one kind of "
+                         f"device (move them with .cpu() or .cuda() first)")
+
+
+def resolve_op(average, op, what: str) -> ReduceOp:
+    if average is not None and op is not None:
+        raise ValueError(f"{what}: give either op= or the deprecated average=, not both")
+    if average is not None:
+        warnings.warn("average= is deprecated; use op=mpidp.Average or op=mpidp.Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    if op is None:
+        return Average
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"{what}: unknown reduce op {op!r}; use mpidp.Average, Sum, Min, Max "
+                         f"or Product") from None
+    if op == Adasum:
+        raise ValueError(f"{what}: Adasum is not supported by mpidp; use mpidp.Average")
+    return op
+
+
+def check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, what: str):
+    if tensor.dtype == torch.bool and op == Average:
+        raise TypeError(f"{what}: Average is not defined for bool tensors; use Sum (logical or) "
+                        f"or Min (logical and)")
+    if (pre != 1.0 or post != 1.0) and tensor.dtype == torch.bool:
+        raise TypeError(f"{what}: prescale/postscale factors are not defined for bool tensors")
+
+
+UNNAMED = "<unnamed>"  # stands in for the number an unnamed op draws once it is accepted
+
+
+def op_name(name: Optional[str], what: str):
+    if name is None:
+        return UNNAMED, False
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what}: name must be a non-empty string, got {name!r}")
+    return name, True
+
+
+def request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=1.0, root=-1):
+    return Request(name, int(op), _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape),
+                   str(tensor.device), int(reduce_op), float(pre), float(post), int(root),
+                   cacheable)
+
+
+def parts_request(name, cacheable, tensors, reduce_op, pre, post) -> Request:
+    """The request of one allreduce op over several tensors of one dtype and device (a plain
+    single-tensor request for one, which may then be fused with other small ops)."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return request(name, cacheable, OpType.ALLREDUCE, first, reduce_op, pre, post)
+    return Request(name, int(OpType.ALLREDUCE), _DTYPE_NAMES[first.dtype],
+                   (sum(t.numel() for t in tensors),), str(first.device), int(reduce_op),
+                   float(pre), float(post), -1, cacheable,
+                   parts=tuple(tuple(t.shape) for t in tensors))
+
+
+def check_splits(splits, t: torch.Tensor, size: int, what: str) -> np.ndarray:
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype == torch.bool:
+            # ValueError, as Horovod raises for non-integer splits (scripts catch that one).
+            raise ValueError(f"{what}: splits must hold integers, not {splits.dtype}")
+        arr = splits.detach().cpu().numpy().reshape(-1)
+    elif isinstance(splits, (list, tuple, np.ndarray)):
+        arr = np.asarray(splits)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)  # numpy makes [] float; the count check below says more
+        if arr.dtype.kind == "f":
+            raise ValueError(f"{what}: splits must be integers, got {list(splits)!r}")
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{what}: splits must be integers, got {list(splits)!r}")
+        arr = arr.reshape(-1)
+    else:
+        raise TypeError(f"{what}: splits must be a list or an integer tensor with one entry "
+                        f"per rank, not {type(splits).__name__}")
+    if arr.size != size:
+        raise ValueError(f"{what}: splits has {arr.size} entries but there are {size} ranks; "
+                         f"give one count per rank")
+    if (arr < 0).any():
+        raise ValueError(f"{what}: splits must be >= 0, got {arr.tolist()}")
+    dim0 = t.shape[0] if t.dim() else 1
+    if int(arr.sum()) > dim0:
+        raise ValueError(f"{what}: splits sum to {int(arr.sum())} but the tensor has only "
+                         f"{dim0} rows along dim 0")
+    return arr.astype(np.int32)

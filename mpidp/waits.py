@@ -1,0 +1,24 @@
+"""Waiting on handles: poll() and synchronize(), the synchronization point of every async op."""
+
+from typing import Optional
+
+from . import runtime
+
+
+def poll(handle: int) -> bool:
+    """True once the op behind `handle` has completed (synchronize() will not block)."""
+    return runtime.state().handles.poll(handle)
+
+
+def synchronize(handle: int, timeout: Optional[float] = None):
+    """Wait for the op behind `handle` and return its output (a tuple for alltoall with splits,
+    a list for grouped ops). Raises the op's error, the same one on every rank. With `timeout`
+    (seconds), raises OpTimeoutError and keeps the handle valid if the op is still pending."""
+    state = runtime.state()
+    if state.handles.poll(handle):
+        return state.handles.wait(handle)
+    engine = state.handles.owner(handle) or state.engine
+    with engine.user_waiting():
+        if timeout is None:  # a driving thread cannot give up half-way through a cycle
+            engine.drive(state.handles.members(handle))
+        return state.handles.wait(handle, timeout)
