@@ -392,12 +392,12 @@ def report(res):
                                            "bucket_bytes")))
     labels = ["mpidp", "mpidp_bucket", "raw_per_tensor", "raw_fused", "raw_fused_4M",
               "raw_hybrid", "raw_chunk_4M"]
-    head = f"{'case':>10} " + " ".join(f"{l:>14}" for l in labels) + \
+    head = f"{'case':>10} " + " ".join(f"{lab:>14}" for lab in labels) + \
            f" {'best raw':>14} {'mpidp/best':>10}"
     print(head)
     for name, c in res["cases"].items():
         med = c["median_s"]
-        cells = " ".join(f"{fmt_time(med[l]) if l in med else '-':>14}" for l in labels)
+        cells = " ".join(f"{fmt_time(med[lab]) if lab in med else '-':>14}" for lab in labels)
         print(f"{name:>10} {cells} {c['best_raw']:>14} {c['ratio']:>10.2f}")
     if "resnet18" in res["cases"]:
         c = res["cases"]["resnet18"]

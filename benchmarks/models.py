@@ -1,4 +1,4 @@
-"""Models the benchmarks train: a ResNet-18 for 32x32 input (no torchvision) and a 6.3 M-parameter MLP."""
+"""Models the benchmarks train: a ResNet-18 for 32x32 input (no torchvision), a 6.3 M MLP."""
 
 import torch.nn as nn
 import torch.nn.functional as F

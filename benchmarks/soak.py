@@ -1,4 +1,4 @@
-"""Soak: mixed collectives for many engine cycles, every result checked, resident memory growth measured.
+"""Soak: mixed collectives for many engine cycles, every result checked, memory growth measured.
 
     mpiexec -n 2 python benchmarks/soak.py [--cycles 20000] [--warmup-cycles 2000]
                                             [--max-growth-pct 5] [--no-rss-check]

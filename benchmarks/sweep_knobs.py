@@ -145,8 +145,8 @@ def aggregate(runs):
     for name in runs[0]["cases"]:
         cs = [r["cases"][name] for r in runs]
         labels = cs[0]["median_s"].keys()
-        medians = {l: med([c["median_s"][l] for c in cs]) for l in labels}
-        raws = {l: v for l, v in medians.items() if l.startswith("raw")}
+        medians = {lab: med([c["median_s"][lab] for c in cs]) for lab in labels}
+        raws = {lab: v for lab, v in medians.items() if lab.startswith("raw")}
         best = min(raws, key=raws.get)
         agg["cases"][name] = {
             "median_s": medians, "best_raw": best,
@@ -180,13 +180,13 @@ def print_final(agg):
     print("|---|" + "---:|" * (len(labels) + 2))
     for name, c in agg["cases"].items():
         m = c["median_s"]
-        cells = " | ".join(f"{m[l] * 1e3:.3f}" if l in m else "–" for l in labels)
+        cells = " | ".join(f"{m[lab] * 1e3:.3f}" if lab in m else "–" for lab in labels)
         print(f"| {name} | {cells} | {c['best_raw']} | {c['median_ratio']:.2f} "
               f"({', '.join(f'{r:.2f}' for r in c['ratios'])}) |")
     if "latency4" in agg:
-        l = agg["latency4"]
-        print(f"latency 4 B: mpidp {l['mpidp'] * 1e6:.1f} us (p90 {l['mpidp_p90'] * 1e6:.1f}), "
-              f"raw {l['raw'] * 1e6:.1f} us; per launch "
+        lat = agg["latency4"]
+        print(f"latency 4 B: mpidp {lat['mpidp'] * 1e6:.1f} us "
+              f"(p90 {lat['mpidp_p90'] * 1e6:.1f}), raw {lat['raw'] * 1e6:.1f} us; per launch "
               f"{[round(x * 1e6, 1) for x in agg['latency4_per_launch']]}")
     if "idle_engine_core_frac" in agg:
         print(f"idle engine: {100 * agg['idle_engine_core_frac']:.2f} % of a core (worst rank, "
@@ -242,7 +242,8 @@ def main():
             row = [f"{var}={value}"]
             for name, c in agg["cases"].items():
                 row.append(f"{name}: mpidp {ms(c['median_s']['mpidp'])} ms, "
-                           f"best raw {ms(min(v for k, v in c['median_s'].items() if k != 'mpidp'))}"
+                           f"best raw "
+                           f"{ms(min(v for k, v in c['median_s'].items() if k != 'mpidp'))}"
                            f" ms ({c['best_raw']}), ratio {c['median_ratio']:.2f}")
             if "latency4" in agg:
                 row.append(f"lat4 {agg['latency4']['mpidp'] * 1e6:.0f} us")

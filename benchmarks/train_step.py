@@ -1,4 +1,4 @@
-"""Training-step time, contenders side by side: no communication, mpidp, DDP (gloo), hand-written MPI.
+"""Training-step time side by side: no communication, mpidp, DDP (gloo), hand-written MPI.
 
     mpiexec -n 2 python benchmarks/train_step.py [--rounds 6] [--steps 8] [--json out.json]
 

@@ -44,7 +44,8 @@ median over --rounds rounds. A round's time for a setting is the slowest rank's 
 optimizer hooks of one setting never see the next).
 
 Rank 0 prints a table and writes the CSV (fusion_bytes, step_ms, samples_per_s, comm_fraction,
-ranks, engine_busy, bytes_per_step, tensors_per_collective) and a PNG plot (step time and communication fraction against fusion size, log x axis).
+ranks, engine_busy, bytes_per_step, tensors_per_collective) and a PNG plot (step time and
+communication fraction against fusion size, log x axis).
 """
 
 import argparse

@@ -72,7 +72,8 @@ def classify_main(stack, mode):
         if j >= 0 and j + 1 < len(stack):
             k = j + 1
             sub = f"allreduce_async_ > {stack[k][0]}"
-            if stack[k][0].split(".")[-1] in ("_grouped_allreduce", "_submit") and k + 1 < len(stack):
+            leaf = stack[k][0].split(".")[-1]
+            if leaf in ("_grouped_allreduce", "_submit") and k + 1 < len(stack):
                 sub += f" > {stack[k + 1][0]}"
         elif find(stack, "_submit", "optimizer.py") >= 0:
             s = find(stack, "_submit", "optimizer.py")

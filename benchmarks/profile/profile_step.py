@@ -1,12 +1,14 @@
 """One training step, timed and profilable, at np=2 (rank 0 prints the results).
 
-    mpiexec -n 2 python benchmarks/profile/profile_step.py --model resnet18|mlp --steps N [--mode mpidp|raw]
+    mpiexec -n 2 python benchmarks/profile/profile_step.py --model resnet18|mlp --steps N \
+        [--mode mpidp|raw]
 
 Takes `mpidp` from PYTHONPATH (nothing here depends on the package's internals except the
 optional --time-hooks, which patches DistributedOptimizer._hook only if it exists), so it runs
 unchanged against the baseline and the rewritten engine.
 
---mode mpidp: SGD(lr=0.01, momentum=0.9) wrapped in mpidp.DistributedOptimizer(named_parameters=...).
+--mode mpidp: SGD(lr=0.01, momentum=0.9) wrapped in
+mpidp.DistributedOptimizer(named_parameters=...).
 --mode raw:   plain SGD; after backward, per-tensor Allreduce(IN_PLACE) on a Dup of COMM_WORLD and
               grad.div_(size) (no mpidp engine involved; mpidp.init() is still called so MPI is
               initialised the same way).

@@ -1,4 +1,4 @@
-"""Integration tests launch real jobs: after each, remove the shared-memory segments killed jobs leave."""
+"""Integration tests launch real jobs: after each, remove the shared memory killed jobs leave."""
 
 import pytest
 

@@ -42,7 +42,8 @@ from .launch import clean_shm, shm_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
-MARKER = "# Written by mpidp's tests/integration/slurm_cluster.py for a test cluster; safe to delete."
+MARKER = ("# Written by mpidp's tests/integration/slurm_cluster.py for a test cluster; "
+          "safe to delete.")
 CONF = Path("/etc/slurm/slurm.conf")
 BACKUP = Path("/etc/slurm/slurm.conf.mpidp-backup")
 STATE_DIRS = ("/var/lib/slurm/slurmctld", "/var/lib/slurm/slurmd", "/var/log/slurm")

@@ -1,4 +1,4 @@
-"""`python -m mpidp doctor`: alone, under mpiexec (smoke test), and with the problems it must catch."""
+"""`python -m mpidp doctor`: alone, under mpiexec (smoke test), with the problems it must catch."""
 
 import os
 import subprocess

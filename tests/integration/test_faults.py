@@ -1,4 +1,4 @@
-"""Fault injection under a real mpiexec: a rank that raises, dies, stalls or loses its engine ends the job."""
+"""Faults under mpiexec: a rank that raises, dies, stalls or loses its engine ends the job."""
 
 import os
 import re

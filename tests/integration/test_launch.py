@@ -1,4 +1,4 @@
-"""Launch-time behaviour under a real mpiexec: knobs, thread level, lonely worlds, stalls, shutdown."""
+"""Launch-time behaviour under mpiexec: knobs, thread level, lonely worlds, stalls, shutdown."""
 
 import pytest
 

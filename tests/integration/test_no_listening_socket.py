@@ -8,8 +8,9 @@ import pytest
 
 from .launch import run
 
-# Run on every rank. Writes rank<N>.json into the directory argv[1]: the listening sockets before mpidp, after
-# init() and the ops, after shutdown(), and whether the detector saw sockets opened on purpose.
+# Run on every rank. Writes rank<N>.json into the directory argv[1]: the listening sockets before
+# mpidp, after init() and the ops, after shutdown(), and whether the detector saw sockets opened
+# on purpose.
 SCRIPT = textwrap.dedent('''
     import json, os, socket, sys, tempfile
 

@@ -434,7 +434,7 @@ def test_submission_from_several_threads():
     """Two user threads submit and synchronize named ops concurrently."""
     import threading
     name = "test_submission_from_several_threads"
-    r, n = rank(), size()
+    n = size()
     results, errors = {}, []
 
     def worker(t):

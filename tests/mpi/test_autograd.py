@@ -117,10 +117,10 @@ def test_alltoall_gradient(with_splits):
     # So the gradient of the row k this rank sent to j is code(r, j, k).
     expected = torch.tensor([[_code(r, j, k)] for j in range(n) for k in range(splits[j])],
                             dtype=torch.float64)
-    if with_splits:
-        fn = (lambda t: mpidp.alltoall(t, splits=splits, name=name))
-    else:
-        fn = (lambda t: mpidp.alltoall(t, name=name))
+    def fn(t):
+        if with_splits:
+            return mpidp.alltoall(t, splits=splits, name=name)
+        return mpidp.alltoall(t, name=name)
     y, _ = check_grad("alltoall", fn, x, w, expected)
     assert_all(isinstance(y, tuple) == with_splits,
                f"alltoall returned {type(y).__name__} with_splits={with_splits}")

@@ -1,4 +1,4 @@
-"""Autotune on live traffic: rank 0 decides, every rank switches at the same cycle, results stay exact."""
+"""Autotune on live traffic: rank 0 decides, all ranks switch at one cycle, results stay exact."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""DistributedOptimizer: N ranks on N shards equal one process on the whole batch, and its edge cases."""
+"""DistributedOptimizer: N ranks on N shards equal one process on the whole batch; edge cases."""
 
 import copy
 import time

@@ -253,7 +253,7 @@ def test_alltoall_with_splits(dtype):
 @pytest.mark.mpi
 def test_alltoall_all_zero_splits_and_empty_tensor():
     name = "test_alltoall_all_zero_splits_and_empty_tensor"
-    r, n = rank(), size()
+    n = size()
     out, got = run_all(mpidp.alltoall, torch.empty(0, 3), splits=[0] * n, name=name)
     extra = [] if got.tolist() == [0] * n else [f"received splits {got.tolist()}"]
     check([("alltoall of nothing", out, torch.empty(0, 3))], extra)
@@ -375,7 +375,6 @@ def test_grouped_reducescatter():
 @pytest.mark.mpi
 def test_empty_tensors():
     name = "test_empty_tensors"
-    r, n = rank(), size()
 
     def body():
         return {

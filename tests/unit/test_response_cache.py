@@ -1,4 +1,4 @@
-"""response_cache.ResponseCache: HIT/MISS/INVALID, LRU eviction, bit reuse and cross-rank determinism."""
+"""response_cache.ResponseCache: HIT/MISS/INVALID, LRU eviction, bit reuse, determinism."""
 
 import random
 

@@ -1,4 +1,4 @@
-"""stall.StallInspector: rate-limited raising, warn-once logging of missing ranks, shutdown reason."""
+"""stall.StallInspector: rate-limited raising, warn-once logging of missing ranks, shutdown."""
 
 import logging
 import types

@@ -1,4 +1,4 @@
-"""Train a small model and inject one fault on one rank at a chosen step: raise, kill, stall, engine, datapath."""
+"""Train a small model; one fault on one rank at a step: raise, kill, stall, engine, datapath."""
 
 import argparse
 import os

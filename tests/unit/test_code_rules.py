@@ -1,0 +1,49 @@
+"""Code rules checked in every test run: ruff's lint, module docstrings and sizes, *_built()."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODULES = sorted((ROOT / "mpidp").rglob("*.py"))
+MAX_LINES = 300  # one concept per module reads in one sitting
+
+
+def test_ruff_lint_is_clean():
+    """The rule set is in pyproject.toml ([tool.ruff]); `ruff check --fix` mends some."""
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, f"ruff check found problems:\n{out.stdout}{out.stderr}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_has_a_one_line_docstring(path):
+    doc = ast.get_docstring(ast.parse(path.read_text(), str(path)), clean=False)
+    assert doc and doc.strip(), f"{path.relative_to(ROOT)} has no module docstring"
+    lines = doc.split("\n")
+    assert lines[0].strip(), f"{path.relative_to(ROOT)}: the docstring's first line is empty"
+    assert len(lines) == 1 or not lines[1].strip(), \
+        f"{path.relative_to(ROOT)}: the summary must fit on the first line (then a blank line)"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_module_is_at_most_300_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES})"
+
+
+def test_built_queries_do_not_start_mpi():
+    """`*_built()` may be asked before init(); importing mpi4py.MPI would initialise MPI."""
+    code = ("import sys, mpidp\n"
+            "names = [n for n in mpidp.__all__ if n.endswith('_built')]\n"
+            "assert len(names) >= 6, names\n"
+            "for n in names:\n"
+            "    getattr(mpidp, n)()\n"
+            "print('mpi4py.MPI' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "a *_built() query imported mpi4py.MPI"
