@@ -76,3 +76,24 @@ def make_buckets(trained, names, groups, cap: int) -> List["Bucket"]:
         name = first if len(members) == 1 else f"{first}+{len(members) - 1}"
         buckets.append(Bucket(name, members))
     return buckets
+
+
+def group_ids(names, num_groups, groups) -> Dict[torch.nn.Parameter, int]:
+    """Parameter -> the group its gradients must share a bucket with, as `groups` (lists of
+    parameters) or `num_groups` (that many runs of consecutive parameters) ask; {} for none."""
+    params = list(names)
+    if groups is not None and num_groups:
+        raise ValueError("DistributedOptimizer: give num_groups or groups, not both")
+    if groups is not None:
+        mapping = {}
+        for gid, group in enumerate(groups):
+            for p in group:
+                if p not in names:
+                    raise ValueError("DistributedOptimizer: groups holds a parameter the "
+                                     "optimizer does not have")
+                mapping[p] = gid
+        return mapping
+    if num_groups and num_groups > 0:
+        per = -(-len(params) // num_groups)
+        return {p: i // per for i, p in enumerate(params)}
+    return {}

@@ -1,7 +1,6 @@
 """`mpidprun`: horovodrun's command line translated into an mpiexec command (MPICH or Open MPI)."""
 
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -10,10 +9,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import launcher_flags as flags
-
-class UsageError(Exception):
-    """A bad command line; the message names the flag and what to write instead (exit code 2)."""
-
+from .launcher_flags import UsageError, parse_hosts, read_hostfile
 
 class LaunchError(Exception):
     """No usable mpiexec here (exit code 1)."""
@@ -96,41 +92,6 @@ def parse_args(argv: Sequence[str]) -> SimpleNamespace:
         if bad:
             raise UsageError(message)
     return args
-
-
-def parse_hosts(spec: str, where: str = "-H") -> List[Tuple[str, int]]:
-    """`host1:2,host2:4` -> [("host1", 2), ("host2", 4)]; UsageError naming `where` if malformed."""
-    hosts = []
-    for item in spec.split(","):
-        m = re.fullmatch(r"([\w.-]+):([0-9]+)", item.strip())
-        if not m or int(m.group(2)) < 1:
-            raise UsageError(f"{where}: {item.strip()!r} is not host:slots with slots >= 1; "
-                             f"write for example -H node1:4,node2:4")
-        hosts.append((m.group(1), int(m.group(2))))
-    return hosts
-
-
-def read_hostfile(path: str) -> List[Tuple[str, int]]:
-    """Hosts of a hostfile: `host slots=N` lines (horovodrun, Open MPI) or `host:N` (MPICH)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise UsageError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
-    hosts = []
-    for number, line in enumerate(lines, 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        slots = [w[len("slots="):] for w in words[1:] if w.startswith("slots=")]
-        if not slots and ":" not in words[0]:
-            raise UsageError(f"--hostfile {path} line {number}: {line.strip()!r} does not say "
-                             f"how many slots; write '{words[0]} slots=N'")
-        hosts += parse_hosts(f"{words[0]}:{slots[0]}" if slots else words[0],
-                             f"--hostfile {path} line {number}")
-    if not hosts:
-        raise UsageError(f"--hostfile {path} names no host; write one 'host slots=N' a line")
-    return hosts
 
 
 def knob_env(args) -> Dict[str, str]:

@@ -9,7 +9,7 @@ import torch
 
 from . import op_args, ops, runtime
 from .sparse import SparseGradients, sparse_allreduce_async
-from .buckets import Bucket, make_buckets, named
+from .buckets import Bucket, group_ids, make_buckets, named
 from .process_sets import is_outside, member_of
 from .compression import Compression
 from .ops import Average
@@ -63,7 +63,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
         trained = [p for p in self._names if p.requires_grad and not self._outside]
         self._frozen = [p for p in self._names if not p.requires_grad and not self._outside]
-        self._buckets = make_buckets(trained, self._names, self._make_groups(num_groups, groups),
+        self._buckets = make_buckets(trained, self._names,
+                                      group_ids(self._names, num_groups, groups),
                                       runtime.state().config.bucket_bytes)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._passes: Dict[torch.nn.Parameter, int] = {}
@@ -117,24 +118,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          "wrapping it (every rank must know every parameter's name up front)")
 
     # ---- gradient submission ----
-
-    def _make_groups(self, num_groups, groups) -> Dict[torch.nn.Parameter, int]:
-        params = list(self._names)
-        if groups is not None and num_groups:
-            raise ValueError("DistributedOptimizer: give num_groups or groups, not both")
-        if groups is not None:
-            mapping = {}
-            for gid, group in enumerate(groups):
-                for p in group:
-                    if p not in self._names:
-                        raise ValueError("DistributedOptimizer: groups holds a parameter the "
-                                         "optimizer does not have")
-                    mapping[p] = gid
-            return mapping
-        if num_groups and num_groups > 0:
-            per = -(-len(params) // num_groups)
-            return {p: i // per for i, p in enumerate(params)}
-        return {}
 
     def _warn_unfrozen(self) -> None:
         late = [self._names[p] for p in self._frozen if p.grad is not None]

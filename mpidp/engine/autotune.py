@@ -141,6 +141,27 @@ class Tuner:
         return self.best
 
 
+class Tuned:
+    """The knobs autotune may change on one engine, and every switch made: (cycle, values).
+    Every rank runs the same cycles, so a cycle count names the same cycle on every rank."""
+
+    FIELDS = ("fusion_threshold_bytes", "fuse_below_bytes", "cycle_time_ms")
+
+    def __init__(self, config):
+        for field in self.FIELDS:
+            setattr(self, field, getattr(config, field))
+        self.switches: List[tuple] = []
+
+    def values(self) -> dict:
+        return {field: getattr(self, field) for field in self.FIELDS}
+
+    def switch(self, params: dict, cycle: int) -> None:
+        for field, value in params.items():
+            setattr(self, field, value)
+        self.switches.append((cycle, dict(params)))
+        logger.debug("autotune: switched to %s at cycle %d", params, cycle)
+
+
 class Sampler:
     """Rank 0's sampling: `poll` at each cycle start returns new parameters when it is time."""
 

@@ -6,10 +6,9 @@ import time
 import traceback
 from typing import List, Optional
 
-from ..config import TIMELINE_DYNAMIC
 from ..errors import EngineShutdownError, MismatchError
 from ..log import logger
-from . import autotune, fusion, mpi
+from . import autotune, fusion, mpi, timeline
 from .backends import make_backend
 from .messages import JOIN_NAME, OpType, Response
 from .protocol import WAKE_POLL_S, Negotiator
@@ -38,21 +37,13 @@ class Engine:
         self.backend.busy = self._user_waits
         self.backend.stats = self.stats
         self._batch_bytes = BatchBytes(fusion.nbytes)
-        # The knobs autotune may change; every rank changes them at the same cycle.
-        self.fusion_threshold_bytes = config.fusion_threshold_bytes
-        self.fuse_below_bytes = config.fuse_below_bytes
-        self.cycle_time_ms = config.cycle_time_ms
+        self.tuned = autotune.Tuned(config)
+        self.switches = self.tuned.switches
         self.sampler = autotune.Sampler(config, self.params()) \
             if config.autotune and self.rank == 0 else None
         self._tune = None  # parameters rank 0 sends at the next coordinator cycle
-        self.switches: List[tuple] = []  # (cycle, parameters) of every autotune switch
-        self.timeline: Optional[Timeline] = None  # rank 0 only; swapped by start/stop_timeline
-        if config.timeline_path not in ("", TIMELINE_DYNAMIC) and set_id == 0 and self.rank == 0:
-            try:
-                self.timeline = Timeline(config.timeline_path, config.timeline_mark_cycles)
-            except OSError as exc:  # raising here would leave the other ranks' engines waiting
-                logger.error("timeline: cannot write %r (%s); running without a timeline",
-                             config.timeline_path, exc)
+        # Rank 0 of the global set only; swapped by start/stop_timeline.
+        self.timeline: Optional[Timeline] = timeline.from_start(config, set_id, self.rank)
         self._waiters_lock = threading.Lock()
         self.waiters = 0  # user threads blocked on a result: the band may then spin for peers
         self._lock = threading.Lock()  # the cycle lock: whoever holds it may call MPI
@@ -82,8 +73,7 @@ class Engine:
 
     def params(self) -> dict:
         """The autotunable knobs' current values on this rank."""
-        return {"fusion_threshold_bytes": self.fusion_threshold_bytes,
-                "fuse_below_bytes": self.fuse_below_bytes, "cycle_time_ms": self.cycle_time_ms}
+        return self.tuned.values()
 
     @contextlib.contextmanager
     def user_waiting(self):
@@ -139,7 +129,7 @@ class Engine:
                     while self._reason is None and self._has_work():
                         start = time.monotonic()
                         if self._guarded_cycle():
-                            rest = self.cycle_time_ms / 1000.0 - (time.monotonic() - start)
+                            rest = self.tuned.cycle_time_ms / 1000.0 - (time.monotonic() - start)
                             if rest > 0:
                                 time.sleep(rest)
                         else:
@@ -224,7 +214,7 @@ class Engine:
             return True
         if params is not None:
             self._tune = None
-            self._set_params(params)
+            self.tuned.switch(params, self.neg.cycles)
         tl = self.timeline  # the band may wait long: a timeline started meanwhile records
         stop = None
         if responses and responses[-1].op == OpType.SHUTDOWN:
@@ -238,13 +228,6 @@ class Engine:
         if stop is not None:
             self._halt(stop)
         return bool(responses or drained)
-
-    def _set_params(self, params: dict) -> None:
-        for field, value in params.items():
-            setattr(self, field, value)
-        # Every rank runs the same cycles, so the count names the same cycle on every rank.
-        self.switches.append((self.neg.cycles, dict(params)))
-        logger.debug("autotune: switched to %s at cycle %d", params, self.neg.cycles)
 
     def _complete(self, entry: Optional[Entry], result=None, error=None) -> None:
         if entry is not None:
@@ -282,15 +265,16 @@ class Engine:
             return
         # The data path reports its phases (pack, mpi) through this while a timeline records.
         self.backend.timeline_mark = None if tl is None else tl.mark
-        for batch in fusion.plan(data, self.fuse_below_bytes, self.fusion_threshold_bytes):
+        tuned = self.tuned
+        for batch in fusion.plan(data, tuned.fuse_below_bytes, tuned.fusion_threshold_bytes):
             entries = [ops.get(r.name) for r in batch]
             op = batch[0].op
             nbytes = 0 if op == OpType.BARRIER else self._batch_bytes(batch)
             began = time.monotonic()
             self.stats.begin_batch(began)
             try:
-                results = self.backend.execute(batch, entries, self.fuse_below_bytes,
-                                               self.fusion_threshold_bytes)
+                results = self.backend.execute(batch, entries, tuned.fuse_below_bytes,
+                                               tuned.fusion_threshold_bytes)
             except Exception as exc:
                 if self.size > 1:
                     # The peers may be inside this batch's collective, which this rank will

@@ -1,6 +1,5 @@
 """The engine's MPI module, its only code that touches mpi4py: communicators, polling, calls."""
 
-import ctypes
 import os
 import pickle
 import sys
@@ -107,7 +106,7 @@ class Comms:
                 comm.Free()
 
 
-# ---- facts about the MPI library (for `doctor` and the CUDA data path) ----
+# ---- facts about the MPI library (for `doctor`; the file's own facts: mpi_library.py) ----
 
 def library_version() -> str:
     """The MPI library's own version string (MPI_Get_library_version), stripped."""
@@ -120,36 +119,6 @@ def thread_level_name() -> str:
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     level = MPI.Query_thread()
     return names.get(level, str(level))
-
-
-def _libmpi_paths():
-    """Paths of the MPI shared library this process has loaded (Linux: from /proc/self/maps)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libmpi" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi.so")
-                  or os.path.basename(p).startswith("libmpi_"))
-
-
-def cuda_aware_support() -> Optional[bool]:
-    """Whether the MPI library accepts CUDA device buffers; None when it cannot tell.
-
-    Asks the library's MPIX_Query_cuda_support (MPICH >= 4, Open MPI >= 4 export it), which
-    reports the run-time answer (MPICH: also off when MPIR_CVAR_ENABLE_GPU=0). mpi4py does not
-    wrap it, and mpi4py loads libmpi privately, so the symbol is looked up in that library file.
-    """
-    for path in _libmpi_paths():
-        try:
-            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY)
-            query = lib.MPIX_Query_cuda_support
-        except (OSError, AttributeError):
-            continue
-        query.restype = ctypes.c_int
-        query.argtypes = []
-        return bool(query())
-    return None
 
 
 # ---- wake-ups (point to point on the wake communicator; see protocol.py) ----

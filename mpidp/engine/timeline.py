@@ -23,8 +23,10 @@ import collections
 import json
 import threading
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
+from ..config import TIMELINE_DYNAMIC
+from ..log import logger
 from .fusion import tensor_count
 from .messages import OP_NAMES
 
@@ -193,6 +195,20 @@ class Timeline:
         self._flush()
         self._file.write("\n]\n")
         self._file.close()
+
+
+def from_start(config, set_id: int, rank: int) -> Optional[Timeline]:
+    """The timeline an engine records from init() on: on rank 0 of the global set when the
+    `timeline_path` knob names a file, else None. A file that cannot be written is logged, not
+    raised: raising would leave the other ranks' engines waiting."""
+    if config.timeline_path in ("", TIMELINE_DYNAMIC) or set_id != 0 or rank != 0:
+        return None
+    try:
+        return Timeline(config.timeline_path, config.timeline_mark_cycles)
+    except OSError as exc:
+        logger.error("timeline: cannot write %r (%s); running without a timeline",
+                     config.timeline_path, exc)
+        return None
 
 
 def load(path: str) -> List[dict]:

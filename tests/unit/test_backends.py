@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mpidp import config as mpidp_config
-from mpidp.engine import mpi
+from mpidp.engine import mpi, mpi_library
 from mpidp.engine.backends import Dispatch, available, make_backend
 from mpidp.engine.backends.cuda import StagedBackend, StreamOrdered, cuda_aware_mpi
 from mpidp.engine.backends.host import uneven_counts
@@ -125,7 +125,7 @@ def test_stream_ordered_is_transparent_on_cpu():
 def test_cuda_aware_knob():
     assert cuda_aware_mpi("1") is True
     assert cuda_aware_mpi("0") is False
-    assert cuda_aware_mpi("auto") is bool(mpi.cuda_aware_support())
+    assert cuda_aware_mpi("auto") is bool(mpi_library.cuda_aware_support())
 
 
 def test_available_reports_this_torch():

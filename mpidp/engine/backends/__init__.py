@@ -39,8 +39,8 @@ def built() -> Dict[str, bool]:
 def available() -> Dict[str, Optional[bool]]:
     """built(), and whether MPI accepts CUDA buffers (None: the library cannot tell). Local, no
     communication; needs MPI initialised."""
-    from .. import mpi
-    return dict(built(), cuda_aware_mpi=mpi.cuda_aware_support())
+    from .. import mpi_library
+    return dict(built(), cuda_aware_mpi=mpi_library.cuda_aware_support())
 
 
 class _Shared:

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import torch
 
-from .. import mpi
+from .. import mpi_library
 from .host import local_device
 from ..messages import Response
 from ..tensor_queue import Entry
@@ -29,7 +29,7 @@ def cuda_aware_mpi(setting: str) -> bool:
         return True
     if setting == "0":
         return False
-    return bool(mpi.cuda_aware_support())
+    return bool(mpi_library.cuda_aware_support())
 
 
 def wait_producers(device: torch.device) -> None:

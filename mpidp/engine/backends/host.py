@@ -1,4 +1,4 @@
-"""MPI data path: buffer calls on host (or CUDA-aware) memory, fusion, chunking, hierarchy.
+"""MPI data path: buffer calls on host (or CUDA-aware) memory, fusion, chunking.
 
 Host tensors reach MPI as numpy views. On the CUDA-aware route (cuda.py wraps this backend
 in StreamOrdered) a CUDA tensor is handed to MPI as itself (mpi4py reads
@@ -6,13 +6,7 @@ in StreamOrdered) a CUDA tensor is handed to MPI as itself (mpi4py reads
 synchronized before MPI reads device memory.
 That device branch has never run on a GPU (docs/data_paths.md).
 
-Hierarchical allreduce (knob `hierarchical_allreduce`): reduce-scatter on `comms.local`, allreduce
-of this rank's block on `comms.cross`, allgather on `comms.local`, over the largest prefix whose
-length divides by the local size; the last n % local_size elements (fewer than one per local
-rank) take one flat allreduce. Equal blocks allow the block collectives, which MPICH runs far
-faster than their v-variants (mpi.allgather), and need no padded copy. It runs when
-there is more than one node and more than one rank per node, and only on a homogeneous layout
-(equal local sizes); otherwise allreduce stays flat (logged once at debug level).
+Hierarchical allreduce: hierarchy.py.
 """
 
 import math
@@ -21,8 +15,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from ...log import logger
 from .. import dtypes, fusion, half, mpi, scaling
+from . import hierarchy
 from ..messages import OpType, Response, part_shapes
 from ..tensor_queue import Entry
 
@@ -73,7 +67,7 @@ class HostBackend:
         self.config = config
         self._fusion = {}  # (dtype, device) -> persistent fusion buffer, grown on demand
         self._planner = fusion.PartPlanner()
-        self.hierarchical = self._hierarchy_usable(comms, config)
+        self.hierarchical = hierarchy.usable(comms, config)
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
         self.stats = None  # set by the engine: its EngineStats (wire_bytes is counted here)
@@ -90,21 +84,6 @@ class HostBackend:
         """The dtype a reduction of `dtype` values runs in (dtypes.mpi_reduce_dtype)."""
         return dtypes.mpi_reduce_dtype(dtype, device)
 
-    @staticmethod
-    def _hierarchy_usable(comms, config) -> bool:
-        if not config.hierarchical_allreduce:
-            return False
-        local, nodes = comms.local.Get_size(), comms.cross.Get_size()
-        if not comms.homogeneous:
-            logger.debug("hierarchical allreduce off: ranks per node differ (%s); using the flat "
-                         "allreduce", comms.local_sizes)
-            return False
-        if local == 1 or nodes == 1:
-            logger.debug("hierarchical allreduce off: %d node(s) of %d rank(s) need no hierarchy",
-                         nodes, local)
-            return False
-        return True
-
     def _allreduce(self, send, recv, op) -> None:
         """Allreduce flat buffers (`send=None`: in place), hierarchically when enabled.
 
@@ -113,19 +92,7 @@ class HostBackend:
         if not self.hierarchical:
             mpi.allreduce(self.comm, send, recv, op, self.busy)
             return
-        local = self.comms.local
-        lsize = local.Get_size()
-        n = len(recv)
-        main = n - n % lsize
-        if main:
-            block = main // lsize
-            part = (recv.new_empty(block) if isinstance(recv, torch.Tensor)
-                    else np.empty(block, dtype=recv.dtype))
-            mpi.reduce_scatter_block(local, (recv if send is None else send)[:main], part, op)
-            mpi.allreduce(self.comms.cross, None, part, op)
-            mpi.allgather(local, part, recv[:main])
-        if main < n:  # fewer than local_size elements left: one small flat allreduce
-            mpi.allreduce(self.comm, None if send is None else send[main:], recv[main:], op)
+        hierarchy.allreduce(self.comms, send, recv, op, self.busy)
 
     # ---- allreduce ----
 
