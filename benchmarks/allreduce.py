@@ -264,7 +264,7 @@ def bench_latency(comm, iters, blocks=10):
 
 
 def bench_wake(comm, trials, idle_s=0.2):
-    """Blocking 4-byte allreduce after each rank idled `idle_s` (engine deep in its back-off),
+    """Blocking 4-byte allreduce after each rank idled `idle_s` (the engine asleep),
     mpidp and raw alternating; raw shows what a cold process costs on its own."""
     t = torch.ones(1, dtype=torch.float32)
     a = np.ones(1, dtype=np.float32)
@@ -314,7 +314,7 @@ def main():
     ap.add_argument("--latency-iters", type=int, default=2000)
     ap.add_argument("--wake-trials", type=int, default=10,
                     help="after the idle measurement: blocking 4 B allreduces, each after "
-                         "0.2 s of idling (the latency an idle engine's back-off adds)")
+                         "0.2 s of idling (the latency waking an idle engine adds)")
     ap.add_argument("--op", choices=("sum", "average"), default="sum",
                     help="mpidp reduce op (Average adds one scaling pass over the data)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
@@ -360,7 +360,7 @@ def main():
         result["latency4"] = bench_latency(comm, args.latency_iters)
 
     if not args.skip_idle:
-        # Let the engine reach its idle back-off first, as it would between training steps.
+        # Let the engine fall asleep first, as it would between training steps.
         time.sleep(0.5)
         busy = idle_cpu(comm, args.idle_seconds)
         per_rank = comm.gather((base, busy), root=0)

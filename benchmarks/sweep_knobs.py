@@ -4,7 +4,7 @@
         the full benchmark, --launches times; prints medians of the per-launch medians
     python benchmarks/sweep_knobs.py sweep [--launches 3] [--knobs fuse_below,threshold,...]
         one knob at a time (the others at their defaults): ResNet-18 set and 16/64 MB tensors,
-        4-byte latency for cycle time, idle CPU for the idle back-off
+        4-byte latency for cycle time (the idle back-off knob it once swept is gone)
 
 Before every launch it waits (up to --max-wait s) until the machine is quiet: the 1-minute load
 average at most --max-load, or under 5 % of the CPUs busy over a 3 s sample while the average is

@@ -191,7 +191,7 @@ def _read_on_rank0(path: str):
 
 def _broadcast_file(path: str):
     """Rank 0's (error kind, message, contents) on every rank. The contents travel as a tensor,
-    not pickled: less than half of broadcast_object's time for 100 MiB here (BENCHMARKS.md)."""
+    not pickled: about half of broadcast_object's time for 100 MiB here (BENCHMARKS.md)."""
     read = _read_on_rank0(path) if runtime.rank() == 0 else (None, None, None)
     header = (read[0], read[1], read[2].numel()) if read[2] is not None else None
     kind, message, length = functions.broadcast_object(header, 0,

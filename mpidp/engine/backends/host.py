@@ -203,8 +203,8 @@ class HostBackend:
             mpi.allgather(self.comm, _np(t), _np(out))
             return out
         # Unequal blocks: pad to the largest and use Allgather, then compact. MPICH 5's
-        # Allgatherv is far slower than the copy (BENCHMARKS.md: 1185 ms against 48 ms for
-        # 4 MB per rank on 4 ranks), except when the padding would dwarf the data.
+        # Allgatherv is far slower than the copy (BENCHMARKS.md: 1185 ms against 31-43 ms for
+        # uneven 4 MiB per rank on 4 ranks), except when the padding would dwarf the data.
         most = max(dims)
         if most * len(dims) > 2 * sum(dims):
             counts = np.array(dims, dtype=np.int64) * row
