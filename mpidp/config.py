@@ -1,4 +1,4 @@
-"""Every knob of mpidp, defined once: field, environment variable, type, default and why."""
+"""Every knob of mpidp, defined once (variables, parser, default, why); the launcher variables."""
 
 import dataclasses
 import difflib
@@ -13,7 +13,7 @@ TIMELINE_DYNAMIC = "DYNAMIC"  # timeline_path meaning "no file until start_timel
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
-    """One knob: its field name, variables, parser, default and one-line doc."""
+    """One knob: its Config field, variables, parser, default (its type is the field's), doc."""
 
     field: str
     env: str
@@ -171,38 +171,22 @@ KNOBS: Tuple[Knob, ...] = (
 _BY_FIELD: Dict[str, Knob] = {k.field: k for k in KNOBS}
 
 
-@dataclasses.dataclass
-class Config:
-    """Values of every knob for one init(); built by `load`."""
+def _agreed_items(self) -> Tuple[Tuple[str, object], ...]:
+    """The (field, value) pairs every rank must agree on."""
+    return tuple((k.field, getattr(self, k.field)) for k in KNOBS if k.must_agree)
 
-    fusion_threshold_bytes: int
-    fuse_below_bytes: int
-    chunk_bytes: int
-    cycle_time_ms: float
-    bucket_bytes: int
-    cache_capacity: int
-    stall_warning_s: float
-    stall_shutdown_s: float
-    log_level: str
-    abort_on_error: bool
-    timeline_path: str
-    timeline_mark_cycles: bool
-    backend: str
-    cuda_aware_mpi: str
-    hierarchical_allreduce: bool
-    simulated_local_size: int
-    rendezvous_host: str
-    autotune: bool
-    autotune_log: str
-    autotune_warmup_samples: int
-    autotune_samples_per_point: int
-    autotune_sample_s: float
-    elastic_checkpoint: str
-    explicit: frozenset = frozenset()  # fields set through the environment or overrides
 
-    def agreed_items(self) -> Tuple[Tuple[str, object], ...]:
-        """The (field, value) pairs every rank must agree on."""
-        return tuple((k.field, getattr(self, k.field)) for k in KNOBS if k.must_agree)
+# Made from KNOBS so that a knob is declared in one place. Frozen: one Config is shared by every
+# engine of an init(), so a change is a new one (dataclasses.replace), never an edit in place.
+Config = dataclasses.make_dataclass(
+    "Config",
+    [(k.field, type(k.default)) for k in KNOBS]
+    + [("explicit", frozenset, dataclasses.field(default=frozenset()))],
+    namespace={"__doc__": "Values of every knob for one init(), one field per KNOBS entry, and "
+                          "`explicit`: the fields set through the environment or overrides; "
+                          "built by `load`, immutable.",
+               "__module__": __name__, "agreed_items": _agreed_items},
+    frozen=True)
 
 
 def _read_env(knob: Knob, env: Mapping[str, str]):
@@ -246,6 +230,32 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
 SCRIPT_VARIABLES = ("MPIDP_VENV", "MPIDP_PYTHON", "MPIDP_TRAIN", "MPIDP_MPIRUN")
 
 
+# Variables that MPI launchers (MPICH hydra, Open MPI, PMIx) and Slurm set for each rank. mpidp
+# reads them where MPI cannot answer: before init(), or when the ranks failed to find each other.
+LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+LAUNCHER_SIZE_VARIABLES = ("SLURM_NTASKS", "SLURM_NPROCS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                           "PMIX_SIZE", "MPI_LOCALNRANKS")
+# A process started from a rank that must not join its job (a fresh singleton, or a job of its
+# own) drops every variable with these prefixes: MPI would otherwise try to join the old job, and
+# srun a surrounding allocation. MPIR_ (MPICH's) and OMPI_MCA_ settings were chosen for the job.
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL", "SLURM_",
+                     "SBATCH_", "SRUN_", "SALLOC_")
+
+
+def launcher_rank(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """This process's rank as its launcher announced it, read without MPI; None outside one."""
+    env = os.environ if env is None else env
+    for var in LAUNCHER_RANK_VARIABLES:
+        value = env.get(var, "")
+        if value.isdigit():
+            return int(value)
+    # srun without an MPI plugin starts each task as a world of its own, still one task of the
+    # job; outside a step (in the batch script itself) SLURM_PROCID says nothing.
+    if env.get("SLURM_STEP_ID") and env.get("SLURM_PROCID", "").isdigit():
+        return int(env["SLURM_PROCID"])
+    return None
+
+
 def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[Tuple[str, str]]:
     """(variable, what to say) for every MPIDP_* or HOROVOD_* variable that is not a knob:
     a misspelling is otherwise ignored without a word. Names the closest knob's variable."""
@@ -271,7 +281,8 @@ def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[Tuple[str
 
 
 def describe() -> str:
-    """A table of every knob, its variables, default and doc (used by docs and `doctor`)."""
+    """Every knob in plain text, a line each: variables, default, doc (the README's markdown
+    table is mpidp.knob_docs.render())."""
     lines = []
     for k in KNOBS:
         alias = f" (alias {k.horovod})" if k.horovod else ""

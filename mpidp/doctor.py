@@ -11,8 +11,6 @@ from . import config as _config
 from .errors import ConfigError, MpidpError
 
 _OK, _INFO, _WARN, _FAIL = "ok", "info", "warn", "FAIL"
-# Rank variables the launchers set; only used to pick the printing rank when init() failed.
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
 class Report:
@@ -85,7 +83,7 @@ def _check_mpi(report: Report, cfg) -> bool:
     """MPI library, thread level and CUDA awareness; True if init() may be attempted."""
     report.add(_OK, "mpi4py", _dist_version("mpi4py"))
     try:
-        from .engine import mpi
+        from .engine import mpi, mpi_library
     except Exception as exc:  # noqa: BLE001 - any failure to load MPI is the finding itself
         report.add(_FAIL, "MPI", f"cannot load the MPI library: {type(exc).__name__}: {exc}. "
                                  f"Install one (pip install 'mpidp[mpich]') or build mpi4py "
@@ -102,7 +100,7 @@ def _check_mpi(report: Report, cfg) -> bool:
     report.add(_OK, "MPI thread level", level + ("" if level == "multiple" else
                                                  " (enough for mpidp; 'multiple' lets the "
                                                  "application call MPI beside it)"))
-    aware = mpi.cuda_aware_support()
+    aware = mpi_library.cuda_aware_support()
     report.add(_INFO, "CUDA-aware MPI", {True: "yes", False: "no",
                                          None: "unknown (the library does not say)"}[aware])
     if cfg is not None and cfg.cuda_aware_mpi == "1" and aware is False:
@@ -113,8 +111,7 @@ def _check_mpi(report: Report, cfg) -> bool:
 
 
 def _launcher_size() -> Optional[tuple]:
-    from .runtime import _LAUNCHER_SIZE_VARS
-    for var in _LAUNCHER_SIZE_VARS:
+    for var in _config.LAUNCHER_SIZE_VARIABLES:
         value = os.environ.get(var, "")
         if value.isdigit():
             return var, int(value)
@@ -198,13 +195,6 @@ def _check_world(report: Report, cfg, mpi_ok: bool, timeout: float) -> Optional[
         mpidp.shutdown()
 
 
-def _launcher_rank() -> int:
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
 def run(timeout: float = 60.0, out=None) -> int:
     """Check this rank's set-up and, under a launcher, the collectives; rank 0 prints the report.
 
@@ -221,8 +211,8 @@ def run(timeout: float = 60.0, out=None) -> int:
     cfg = _check_knobs(report)
     mpi_ok = _check_mpi(report, cfg)
     rank = _check_world(report, cfg, mpi_ok, timeout)
-    if rank is None:
-        rank = _launcher_rank()
+    if rank is None:  # no init(): the launcher's word picks the printing rank
+        rank = _config.launcher_rank() or 0
     problems = report.problems()
     if rank == 0:
         print("mpidp doctor (rank 0's view)", file=out)

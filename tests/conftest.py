@@ -1,7 +1,7 @@
 """Shared pytest set-up for every mpidp test suite (tests/unit, tests/mpi, tests/integration).
 
-Kept minimal on purpose. Does NOT import mpi4py: importing ``mpi4py.MPI`` initialises MPI,
-which is the package's (and pytest-mpi's) job, not conftest's.
+Kept minimal on purpose. Does NOT import ``mpi4py.MPI``: that initialises MPI, which is the
+package's (and pytest-mpi's) job, not conftest's (``mpidp.config`` does not import it).
 
 Per-rank ``--basetemp``: when several ranks of one ``mpiexec -n N python -m pytest ...`` launch
 share pytest's default temp root, its numbered-dir rotation races between them (seen at -n 4).
@@ -21,23 +21,12 @@ import time
 
 import pytest
 
-# Rank variables set by the launchers: MPICH hydra (and Slurm's pmi2), PMIx (Open MPI 5,
-# srun --mpi=pmix), Open MPI's own. SLURM_PROCID (inside an srun step) covers srun without an
-# MPI plugin, where every task runs as its own world of size 1 but still shares /tmp.
-_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+# Also covers srun without an MPI plugin (SLURM_PROCID inside a step), where every task runs as
+# its own world of size 1 but still shares /tmp.
+from mpidp.config import launcher_rank
 
 # Launch directories untouched for this long are removed by later launches.
 _STALE_LAUNCH_DIR_S = 6 * 3600
-
-
-def _launcher_rank():
-    for var in _RANK_VARS:
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    if os.environ.get("SLURM_STEP_ID") and os.environ.get("SLURM_PROCID", "").isdigit():
-        return int(os.environ["SLURM_PROCID"])
-    return None
 
 
 def _launch_id():
@@ -62,7 +51,8 @@ def _prune_stale(root, keep):
         if entry.name == keep:
             continue
         try:
-            if entry.is_dir(follow_symlinks=False) and now - entry.stat().st_mtime > _STALE_LAUNCH_DIR_S:
+            if entry.is_dir(follow_symlinks=False) and \
+                    now - entry.stat().st_mtime > _STALE_LAUNCH_DIR_S:
                 shutil.rmtree(entry.path, ignore_errors=True)
         except OSError:
             pass
@@ -70,7 +60,7 @@ def _prune_stale(root, keep):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads config.option.basetemp
 def pytest_configure(config):
-    rank = _launcher_rank()
+    rank = launcher_rank()
     if rank is None or config.option.basetemp:
         return
     root = os.path.join(tempfile.gettempdir(), "pytest-mpidp-{}".format(os.getuid()))

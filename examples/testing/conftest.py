@@ -15,16 +15,7 @@ import tempfile
 import pytest
 
 import mpidp
-
-# Rank variables of MPICH/Slurm (PMI), Open MPI / PMIx launchers.
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-
-
-def _launcher_rank():
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+from mpidp.config import launcher_rank  # the rank MPICH, Open MPI, PMIx or srun announced
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -32,7 +23,7 @@ def pytest_configure(config):
     """Give each rank its own temporary root. pytest numbers and prunes directories under one
     shared root (pytest-of-<user>/pytest-N); several ranks doing that at once race and delete
     each other's directories. Runs before pytest reads --basetemp, and only under a launcher."""
-    rank = _launcher_rank()
+    rank = launcher_rank()
     if rank is None or config.option.basetemp:
         return
     # The parent process is the launcher's per-host proxy: one directory per launch.

@@ -108,6 +108,13 @@ class Comms:
 
 # ---- facts about the MPI library (for `doctor`; the file's own facts: mpi_library.py) ----
 
+def world() -> Optional[tuple]:
+    """(rank, size) in COMM_WORLD, or None once MPI is finalized."""
+    if MPI.Is_finalized():
+        return None
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
 def library_version() -> str:
     """The MPI library's own version string (MPI_Get_library_version), stripped."""
     return MPI.Get_library_version().strip()

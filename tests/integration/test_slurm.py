@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from mpidp.config import LAUNCHER_PREFIXES
+
 from .slurm_cluster import ROOT, SlurmCluster, SlurmError, Unavailable
 
 SLURM_DIR = ROOT / "examples" / "slurm"
@@ -45,8 +47,7 @@ def slurm():
 def job_env(**extra):
     """The test's environment without the venv in PATH and without launcher or pytest variables
     (the job's pytest must not inherit PYTEST_ADDOPTS, nor srun a surrounding job's SLURM_*)."""
-    drop_prefixes = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PMI_", "PMIX_", "OMPI_", "HYDRA_",
-                     "MPIR_", "PYTEST_")
+    drop_prefixes = LAUNCHER_PREFIXES + ("PYTEST_",)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(drop_prefixes) and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     venv_bins = {os.path.realpath(ROOT / ".venv" / "bin"),

@@ -37,7 +37,7 @@ def mpidp_still_initialised(mpidp_session):
 def _unnamed_counter():
     """How many unnamed ops this rank has numbered (mpidp internals; None if not available)."""
     from mpidp import runtime
-    return getattr(runtime.state(), "_noname", None)
+    return runtime.state().unnamed_count()
 
 
 @pytest.fixture

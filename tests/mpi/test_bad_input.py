@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import mpidp
+from mpidp.config import LAUNCHER_PREFIXES
 from mpi_util import assert_all, raises_all, rank, run_all, size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +40,7 @@ def _lone_python(code, extra_env=None):
     """Run `code` in a fresh interpreter outside the launcher (a world of its own); rank 0 only.
     Returns (exit code, output). The launcher's variables are dropped so that MPI, if the code
     initialises it, starts as a singleton instead of joining this job."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_LOCAL"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra_env or {})
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

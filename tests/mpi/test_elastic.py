@@ -1,5 +1,6 @@
 """mpidp.elastic under MPI: commit/restore/sync, persisted commits with run, ElasticSampler."""
 
+import dataclasses
 import os
 
 import pytest
@@ -174,7 +175,8 @@ def test_run_resumes_from_the_persisted_commit(shared_dir):
 def test_knob_path_is_used_and_rank0s_path_counts(shared_dir, monkeypatch):
     rank = mpidp.rank()
     path = os.path.join(shared_dir, f"knob{rank}.pt")
-    monkeypatch.setattr(runtime.state().config, "elastic_checkpoint", path)
+    st = runtime.state()
+    monkeypatch.setattr(st, "config", dataclasses.replace(st.config, elastic_checkpoint=path))
     state = elastic.ObjectState(epoch=3)
     run_all(state.commit)
     files = sorted(e for e in os.listdir(shared_dir) if e.startswith("knob")) \

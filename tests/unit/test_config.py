@@ -1,5 +1,7 @@
-"""mpidp.config: defaults, MPIDP_*/HOROVOD_* parsing, strict errors, overrides, describe()."""
+"""mpidp.config: defaults, MPIDP_*/HOROVOD_* parsing, strict errors, overrides, describe(), the
+frozen Config made from KNOBS, and the launcher variables."""
 
+import dataclasses
 import math
 
 import pytest
@@ -245,3 +247,48 @@ def test_unknown_variables_name_the_closest_knob():
     assert got["HOROVOD_GPU_OPERATIONS"] == "a Horovod setting mpidp does not have; ignored"
     assert "doctor" in got["MPIDP_ZZZ"]
     assert config.unknown_variables({}) == []
+
+
+def test_config_fields_are_the_knobs_in_order_then_explicit():
+    fields = [f.name for f in dataclasses.fields(config.Config)]
+    assert fields == [k.field for k in config.KNOBS] + ["explicit"]
+    assert config.Config.__module__ == "mpidp.config" and config.Config.__doc__
+
+
+def test_config_is_immutable_and_changed_by_replace():
+    cfg = config.load({}, cache_capacity=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cache_capacity = 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.explicit = frozenset()
+    changed = dataclasses.replace(cfg, elastic_checkpoint="/tmp/e.pt")
+    assert changed.elastic_checkpoint == "/tmp/e.pt" and changed.cache_capacity == 3
+    assert cfg.elastic_checkpoint == "" and changed != cfg
+    assert config.load({}, cache_capacity=3) == cfg  # equal values, equal configs
+
+
+@pytest.mark.parametrize("env, rank", [
+    ({}, None),
+    ({"PMI_RANK": "2"}, 2),
+    ({"PMIX_RANK": "1"}, 1),
+    ({"OMPI_COMM_WORLD_RANK": "3", "PMI_RANK": "x"}, 3),
+    ({"PMI_RANK": "0", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5"}, 0),
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4"}, 4),
+    ({"SLURM_PROCID": "0"}, None),  # the batch script itself, outside any step
+])
+def test_launcher_rank(env, rank):
+    assert config.launcher_rank(env) == rank
+
+
+def test_launcher_rank_reads_os_environ_when_no_mapping_given(monkeypatch):
+    for var in config.LAUNCHER_RANK_VARIABLES + ("SLURM_STEP_ID",):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PMIX_RANK", "6")
+    assert config.launcher_rank() == 6
+
+
+def test_launcher_variables_are_covered_by_the_prefixes():
+    every = config.LAUNCHER_RANK_VARIABLES + config.LAUNCHER_SIZE_VARIABLES + ("SLURM_PROCID",)
+    assert all(var.startswith(config.LAUNCHER_PREFIXES) for var in every)
+    assert not any(var.startswith(config.LAUNCHER_PREFIXES) for k in config.KNOBS
+                   for var in (k.env, k.horovod) if var)

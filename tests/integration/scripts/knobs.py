@@ -3,12 +3,13 @@
 import os
 import sys
 
-rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+import mpidp  # the variable set below still counts: init() reads the knobs, not the import
+from mpidp.config import launcher_rank
+
+rank = launcher_rank() or 0
 var, value, on_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if rank == on_rank:
     os.environ[var] = value
-
-import mpidp  # noqa: E402
 
 try:
     mpidp.init()

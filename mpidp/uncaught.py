@@ -1,0 +1,68 @@
+"""Uncaught exceptions: with abort_on_error, end every rank of the job; init() errors said once."""
+
+import socket
+import sys
+import time
+import traceback
+
+from .log import logger
+
+_previous = None
+_ABORT_GRACE_S = 0.3
+_INTERRUPT_QUIET_S = 1.0  # how long a rank other than 0 lets rank 0 report a Ctrl-C first
+
+
+def _abort_on_uncaught(exc_type, exc, tb) -> None:
+    """sys.excepthook while abort_on_error is on: log who failed and why, then end every rank."""
+    from .engine import mpi
+    world = mpi.world()
+    if world is None or world[1] == 1:  # nobody else can be left waiting
+        (_previous or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    rank, size = world
+    if issubclass(exc_type, KeyboardInterrupt):
+        # Ctrl-C reaches every rank at once: a traceback per rank says nothing. Rank 0 says it
+        # in one line and ends the job; another rank speaks only if it was interrupted alone
+        # (the job is still there after rank 0 had its chance).
+        if rank != 0:
+            time.sleep(_INTERRUPT_QUIET_S)
+        logger.critical("interrupted (KeyboardInterrupt) on rank %d (host %s); ending all %d "
+                        "ranks of the job", rank, socket.gethostname(), size)
+    else:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        logger.critical("uncaught %s on rank %d (host %s); aborting all %d ranks of the job "
+                        "(MPIDP_ABORT_ON_ERROR=0 turns this off):\n%s", exc_type.__name__,
+                        rank, socket.gethostname(), size, text.rstrip())
+    previous = _previous
+    if previous is not None and previous is not sys.__excepthook__:
+        previous(exc_type, exc, tb)  # the user's own hook still runs; the default would repeat ours
+    # Without this, the other ranks would wait in their next collective for this one forever.
+    mpi.end_job(_ABORT_GRACE_S)
+
+
+def said_once(error: BaseException, rank: int) -> BaseException:
+    """`error`, raised on every rank alike; if no one catches it, rank 0 alone reports it (one
+    line, no traceback) instead of a traceback per rank. Returns it for `raise`."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if exc is not error:
+            previous(exc_type, exc, tb)
+            return
+        if rank == 0:  # the message already names the ranks concerned
+            sys.stderr.write(f"mpidp: init() failed on every rank: {exc_type.__name__}: "
+                             f"{exc}\n")
+            sys.stderr.flush()
+
+    sys.excepthook = hook
+    return error
+
+
+def install_abort_hook(enabled: bool) -> None:
+    """Make the abort hook sys.excepthook (keeping the user's to call first), or take it away."""
+    global _previous
+    if enabled and sys.excepthook is not _abort_on_uncaught:
+        _previous = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
+    elif not enabled and sys.excepthook is _abort_on_uncaught:
+        sys.excepthook = _previous or sys.__excepthook__
