@@ -115,8 +115,9 @@ def _interrupt(target: str):
             if not line:
                 break
             lines.append(line)
-            if line.startswith("ready"):
-                _, r, pid = line.split()
+            # Three ranks write through one launcher: a line may carry more than one rank's
+            # output (seen once in CI), so find every announcement wherever it is.
+            for r, pid in re.findall(r"ready (\d+) (\d+)", line):
                 pids[int(r)] = int(pid)
         assert len(pids) == 3, "".join(lines)
         began = time.time()
