@@ -4,7 +4,7 @@ import functools
 
 import torch
 
-from . import autograd, op_args, ops
+from . import autograd, express, op_args, ops
 from .compression import Compression
 from .ops import Average
 
@@ -14,8 +14,11 @@ def _blocking(fn):
     synchronize() runs the cycles on the caller's thread if the engine is idle."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with ops.blocking():
+        before = ops.set_blocking(True)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            ops.set_blocking(before)
     return call
 
 
@@ -35,20 +38,40 @@ def _compressed(rule, start, tensor, compression, name, op, pre, post, ps):
     return compression.decompress(out, ctx)
 
 
-@_blocking
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce `tensor` across ranks into a new tensor; differentiable.
     Synchronization: blocks until every rank has submitted `name` and the reduction is done."""
     op = op_args.resolve_op(average, op, "allreduce")
+    if name is not None and compression is Compression.none and not _wants_grad(tensor):
+        out = express.allreduce(tensor, name, op, prescale_factor, postscale_factor,
+                                process_set, False)
+        if out is not None:
+            return out
+    return _allreduce(tensor, compression, name, op, prescale_factor, postscale_factor,
+                      process_set)
+
+
+@_blocking
+def _allreduce(tensor, compression, name, op, prescale_factor, postscale_factor, process_set):
     return _compressed(autograd.Allreduce, ops.allreduce_async, tensor, compression, name, op,
                        prescale_factor, postscale_factor, process_set)
 
 
-@_blocking
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """Reduce `tensor` in place across ranks; returns it. Synchronization: as allreduce."""
+    if name is not None and average is None:
+        reduce_op = op_args.resolve_op(None, op, "allreduce_")
+        if express.allreduce(tensor, name, reduce_op, prescale_factor, postscale_factor,
+                             process_set, True) is not None:
+            return tensor
+    return _allreduce_(tensor, average, name, op, prescale_factor, postscale_factor,
+                       process_set)
+
+
+@_blocking
+def _allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
     return ops.synchronize(ops.allreduce_async_(tensor, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 

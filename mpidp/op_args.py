@@ -56,6 +56,8 @@ def resolve_op(average, op, what: str) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
+    if type(op) is ReduceOp and op != Adasum:
+        return op
     try:
         op = ReduceOp(op)
     except ValueError:

@@ -28,12 +28,19 @@ _local = threading.local()
 def blocking():
     """Inside, submissions do not wake the engine thread: the caller is about to synchronize()
     and will run the engine's cycles itself if it is idle (Engine.drive)."""
-    before = getattr(_local, "blocking", False)
-    _local.blocking = True
+    before = set_blocking(True)
     try:
         yield
     finally:
-        _local.blocking = before
+        set_blocking(before)
+
+
+def set_blocking(flag: bool) -> bool:
+    """Set whether this thread's submissions leave the engine asleep (see blocking());
+    returns the previous setting."""
+    before = getattr(_local, "blocking", False)
+    _local.blocking = flag
+    return before
 
 
 def submit(target, entries: List[Entry], finish) -> int:

@@ -201,6 +201,11 @@ def is_initialized() -> bool:
     return _state is not None
 
 
+def current() -> Optional[_State]:
+    """The current init()'s state, or None before init() and after shutdown()."""
+    return _state
+
+
 def state() -> _State:
     """The current init()'s state; ValueError telling the user to call init() otherwise."""
     s = _state

@@ -6,14 +6,16 @@ import time
 import traceback
 from typing import List, Optional
 
-from ..errors import EngineShutdownError, MismatchError
+from ..errors import EngineShutdownError
 from ..log import logger
-from . import autotune, fusion, mpi, timeline
+from . import autotune, timeline
 from .backends import make_backend
-from .messages import JOIN_NAME, OpType, Response
+from .messages import OpType
 from .protocol import WAKE_POLL_S, Negotiator
-from .stats import BatchBytes, EngineStats
-from .tensor_queue import Entry, TensorQueue
+from .executor import Executor
+from .stats import EngineStats
+from .response_cache import HIT
+from .tensor_queue import CACHED, Entry, TensorQueue
 from .timeline import Timeline
 
 # Longest sleep between cycles that made no progress while this rank has ops waiting for other
@@ -36,8 +38,8 @@ class Engine:
         self.backend = make_backend(comms, config)
         self.backend.busy = self._user_waits
         self.backend.stats = self.stats
-        self._batch_bytes = BatchBytes(fusion.nbytes)
         self.tuned = autotune.Tuned(config)
+        self.executor = Executor(self.backend, self.stats, self.tuned, self.rank, self.size)
         self.switches = self.tuned.switches
         self.sampler = autotune.Sampler(config, self.params()) \
             if config.autotune and self.rank == 0 else None
@@ -48,7 +50,6 @@ class Engine:
         self.waiters = 0  # user threads blocked on a result: the band may then spin for peers
         self._lock = threading.Lock()  # the cycle lock: whoever holds it may call MPI
         self._spin = False
-        self._finished: list = []  # (entry, result, error) completed in this cycle
         self._stop = False
         self._reason: Optional[BaseException] = None  # why the engine stopped, once it has
         self._clean = True
@@ -105,10 +106,51 @@ class Engine:
                 if not self._guarded_cycle():
                     self._back_off()
         finally:
-            self._spin = False
-            self._lock.release()
-            if self.queue.ops or self._reason is not None or self._stop:
-                self.queue.notify()  # the engine thread carries on with what remains
+            self._driven()
+
+    def express(self, entry: Entry) -> bool:
+        """Run `entry`, not submitted, whose name and metadata are in the response cache, to
+        completion on this thread if the engine is idle (True). Its first cycle skips the
+        queue, the band's assembly and the batch planning (Negotiator.negotiate_one,
+        Executor.run_one); later ones, needed only if the peers were not ready for this op
+        alone, are drive()'s. False, with nothing done, when the engine is busy or the op is
+        not cached: submit() it instead. Synchronization: as drive().
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._hold(entry):
+                return False
+            self._spin = True
+            self._guarded_cycle(entry)
+            while self._reason is None and not entry._done:
+                if not self._guarded_cycle():
+                    self._back_off()
+        finally:
+            self._driven()
+        return True
+
+    def _driven(self) -> None:
+        """A user thread stops driving: release the cycle lock to the engine thread."""
+        self._spin = False
+        self._lock.release()
+        if self.queue.ops or self._reason is not None or self._stop:
+            self.queue.notify()  # the engine thread carries on with what remains
+
+    def _hold(self, entry: Entry) -> bool:
+        """Admit `entry` as the one op in flight, on its cache bit, if express() may run it."""
+        neg = self.neg
+        if (self._reason is not None or self._stop or self.timeline is not None
+                or self.sampler is not None or not neg.quiet()):
+            return False
+        status, bit = neg.cache.lookup(entry.name, entry.cache_key)
+        if status != HIT or not self.queue.hold(entry):
+            return False
+        entry.state, entry.bit = CACHED, bit
+        return True
+
+    def _stopping(self) -> bool:
+        return self._stop
 
     def _user_waits(self) -> bool:
         """A user thread is blocked on a result (or drives the engine): the CPU is ours."""
@@ -179,10 +221,10 @@ class Engine:
             entry.set_error(self._reason)
         self.queue.notify()
 
-    def _guarded_cycle(self) -> bool:
+    def _guarded_cycle(self, first: Optional[Entry] = None) -> bool:
         """One cycle; an exception stops the engine (and fails every op) instead of escaping."""
         try:
-            return self._cycle()
+            return self._cycle(first)
         except BaseException as exc:
             logger.error("engine failed:\n%s", traceback.format_exc())
             self._clean = False
@@ -192,23 +234,32 @@ class Engine:
                 raise  # KeyboardInterrupt on a driving user thread belongs to the user
             return False
 
-    def _cycle(self) -> bool:
-        """Drain, negotiate, execute, complete. True if it made progress."""
+    def _cycle(self, first: Optional[Entry] = None) -> bool:
+        """Drain, negotiate, execute, complete (`first`: express()'s op, held, alone). True if
+        it made progress."""
         began = time.monotonic()
-        drained = self.queue.drain()
-        tl = self.timeline
-        if tl is not None and drained:
-            tl.drained(drained, began)
-        for entry in drained:
-            self.neg.admit(entry)
         self.stats.cycles += 1
-        if self.sampler is not None and self._tune is None:
-            self._tune = self.sampler.poll(self.stats.bytes, bool(self.queue.ops))
-        # Spin for the peers only while a user thread is blocked on a result: during a backward
-        # pass the CPU belongs to the gradients still being computed.
-        responses, stopped, params = self.neg.negotiate(
-            self.queue.ops, lambda: self._stop, self._user_waits(), self._tune,
-            lambda: self.timeline)
+        if first is not None:
+            drained = [first]
+            responses, stopped, params = self.neg.negotiate_one(first, self.queue.ops,
+                                                                self._stopping)
+            if params is None and len(responses) == 1 and responses[0].name == first.name \
+                    and responses[0].op == OpType.ALLREDUCE:
+                self.executor.run_one(responses[0], first, self.queue)  # the common case
+                return True
+        else:
+            drained = self.queue.drain()
+            if self.timeline is not None and drained:
+                self.timeline.drained(drained, began)
+            for entry in drained:
+                self.neg.admit(entry)
+            if self.sampler is not None and self._tune is None:
+                self._tune = self.sampler.poll(self.stats.bytes, bool(self.queue.ops))
+            # Spin for the peers only while a user thread is blocked on a result: during a
+            # backward pass the CPU belongs to the gradients still being computed.
+            responses, stopped, params = self.neg.negotiate(
+                self.queue.ops, self._stopping, self._user_waits(), self._tune,
+                lambda: self.timeline)
         if stopped:
             self._halt(EngineShutdownError(self._stop_reason()))
             return True
@@ -220,78 +271,11 @@ class Engine:
         if responses and responses[-1].op == OpType.SHUTDOWN:
             stop = EngineShutdownError(responses.pop().error)
         try:
-            self._execute(responses, tl)
+            self.executor.run(responses, self.queue.ops, self.neg, tl)
         finally:
-            self._release()
+            self.executor.release(self.queue)
         if tl is not None and (responses or drained):
             tl.cycle(began, time.monotonic(), len(responses))
         if stop is not None:
             self._halt(stop)
         return bool(responses or drained)
-
-    def _complete(self, entry: Optional[Entry], result=None, error=None) -> None:
-        if entry is not None:
-            self._finished.append((entry, result, error))
-
-    def _release(self) -> None:
-        """Wake the waiters of everything this cycle finished, all at once at its end: a waiter
-        woken per op would fight the engine for the GIL through the rest of the cycle."""
-        for entry, result, error in self._finished:
-            self.queue.finished(entry)  # first, so the waiter may reuse the name at once
-            if error is not None:
-                entry.set_error(error)
-            else:
-                entry.set_result(result)
-        self._finished = []
-
-    def _execute(self, responses: List[Response], tl: Optional[Timeline]) -> None:
-        ops = self.queue.ops
-        data = []
-        for resp in responses:
-            entry = ops.get(resp.name)
-            if resp.op == OpType.ERROR:
-                self._complete(entry, error=MismatchError(resp.error))
-            elif resp.op == OpType.JOIN:
-                self.neg.joined = False
-                self._complete(ops.get(JOIN_NAME), result=(resp.last_joined, resp.serial))
-            elif entry is None and resp.op == OpType.BARRIER:
-                continue  # this rank is joined: the others' barrier needs nothing from it
-            elif entry is None and resp.op != OpType.ALLREDUCE:
-                raise AssertionError(f"response {resp.name!r} has no local entry on rank "
-                                     f"{self.rank}")
-            else:
-                data.append(resp)
-        if not data:
-            return
-        # The data path reports its phases (pack, mpi) through this while a timeline records.
-        self.backend.timeline_mark = None if tl is None else tl.mark
-        tuned = self.tuned
-        for batch in fusion.plan(data, tuned.fuse_below_bytes, tuned.fusion_threshold_bytes):
-            entries = [ops.get(r.name) for r in batch]
-            op = batch[0].op
-            nbytes = 0 if op == OpType.BARRIER else self._batch_bytes(batch)
-            began = time.monotonic()
-            self.stats.begin_batch(began)
-            try:
-                results = self.backend.execute(batch, entries, tuned.fuse_below_bytes,
-                                               tuned.fusion_threshold_bytes)
-            except Exception as exc:
-                if self.size > 1:
-                    # The peers may be inside this batch's collective, which this rank will
-                    # never enter or finish: failing the op here alone would leave them
-                    # waiting forever (whatever abort_on_error says), so the job ends.
-                    mpi.abort_job(f"{batch[0].name!r}: the data path failed on rank "
-                                  f"{self.rank} with {type(exc).__name__}: {exc}; the other "
-                                  f"ranks of this collective cannot finish it, so every rank "
-                                  f"of the job is ended:\n{traceback.format_exc().rstrip()}")
-                logger.error("%s failed:\n%s", batch[0].name, traceback.format_exc())
-                for entry in entries:  # alone, a bad buffer fails its ops, not the engine
-                    self._complete(entry, error=EngineShutdownError(
-                        f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))
-                continue
-            ended = time.monotonic()
-            self.stats.batch(op, fusion.tensor_count(batch), nbytes, ended - began)
-            if tl is not None:
-                tl.batch_end(batch, began, ended, nbytes)
-            for entry, result in zip(entries, results):
-                self._complete(entry, result=result)

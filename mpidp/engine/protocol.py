@@ -33,6 +33,9 @@ One cycle, on every rank:
  5. Every rank executes the cache hits, then the coordinator's responses, in order. A joined
     rank executes allreduces with zeros and skips everything else.
 
+A lone cached op on a rank with nothing else to say (Engine.express) builds its band from its
+bit alone and, if it comes back unchanged, skips steps 3-4 (negotiate_one): the same cycle.
+
 Wake-ups. A rank that needs peers in a cycle they may sleep through (to stop them, or to have
 them report for a stall check) sends each peer the pair (k, flags) on the wake communicator, k
 being the cycle it is in (and the engine's epoch, agreed when its communicators were made, so
@@ -159,12 +162,42 @@ class Negotiator:
         if tune is not None:
             flags |= F_TUNE
         nb = 8 * ((self.cache.num_bits + 63) // 64)
-        full = (1 << (8 * nb)) - 1
         band = bytearray(2 * nb + 8)
         band[:nb] = _bits_int(e.bit for e in admitted if e.state == CACHED).to_bytes(nb, "little")
-        band[nb:2 * nb] = (full ^ _bits_int(self.invalid)).to_bytes(nb, "little")
+        band[nb:2 * nb] = (((1 << (8 * nb)) - 1) ^ _bits_int(self.invalid)).to_bytes(nb, "little")
         band[2 * nb:] = (_MASK64 ^ flags).to_bytes(8, "little")
         self.invalid = set()
+        self._exchange(band, flags, admitted, oldest, stopping, spin)
+        return self._read(band, nb, ops, admitted, tune, timeline)
+
+    def quiet(self) -> bool:
+        """Nothing but a new op would go into the next band: no wake-up due, no join pending,
+        no invalid bit to announce (Engine.express may then run negotiate_one)."""
+        return not (self._due or self._woken or self.joined or self.invalid)
+
+    def negotiate_one(self, entry: Entry, ops: Dict[str, Entry], stopping: Callable[[], bool]):
+        """negotiate() for a lone CACHED op on a quiet() rank, spinning: the band is this op's
+        bit alone, and when it comes back unchanged (every rank is ready for this op and
+        nothing else) the answer is its cached response without parsing the band. Any other
+        band is read as negotiate() reads it. Synchronization: as negotiate().
+        """
+        nb = 8 * ((self.cache.num_bits + 63) // 64)
+        bit = entry.bit
+        sent = bytearray(nb) + b"\xff" * (nb + 8)  # AND-neutral: no invalid bit, no flag
+        sent[bit >> 3] = 1 << (bit & 7)
+        band = bytearray(sent)
+        self._exchange(band, 0, [entry], entry.submitted, stopping, True)
+        if band != sent:
+            return self._read(band, nb, ops, [entry], None, lambda: None)
+        self.cache.touch(bit)
+        self.stats.cache_hits += 1
+        self.stats.end_negotiation(time.monotonic())
+        return [self.cache.response(bit)], False, None
+
+    def _exchange(self, band: bytearray, flags: int, admitted: List[Entry], oldest: float,
+                  stopping: Callable[[], bool], spin: bool) -> None:
+        """Step 2: the band allreduce, waking sleeping peers when a reason arises (now or
+        while it waits); counts the cycle."""
         sent = flags & _WAKING
         if sent:
             self.box.send(self.cycles, sent, self.peers)
@@ -178,15 +211,20 @@ class Negotiator:
                 sent |= extra
                 self.box.send(self.cycles, extra, self.peers)
 
-        st = self.stats
-        st.begin_negotiation(time.monotonic())
+        self.stats.begin_negotiation(time.monotonic())
         mpi.allreduce_band(self.control, band, spin, poll)
         self.cycles += 1
+
+    def _read(self, band: bytearray, nb: int, ops: Dict[str, Entry], admitted: List[Entry],
+              tune, timeline):
+        """Steps 3-4 on the reduced band: negotiate()'s result."""
+        st = self.stats
         timeline = timeline()
         flags = _MASK64 ^ int.from_bytes(band[2 * nb:], "little")
         if flags & F_SHUTDOWN:
             st.end_negotiation(time.monotonic())
             return [], True, None
+        full = (1 << (8 * nb)) - 1
         invalid = _int_bits(full ^ int.from_bytes(band[nb:2 * nb], "little"))
         for bit in invalid:
             self.cache.evict(bit)

@@ -74,6 +74,15 @@ class TensorQueue:
             if notify and self._sleeping:
                 self.wake.notify()
 
+    def hold(self, entry: Entry) -> bool:
+        """Record `entry` as in flight without queueing it (Engine.express runs it at once),
+        if no other op is in flight; False otherwise, or once the queue is closed."""
+        with self._lock:
+            if self._closed is not None or self.ops or self._new:
+                return False
+            self.ops[entry.request.name] = entry
+            return True
+
     def drain(self) -> List[Entry]:
         with self._lock:
             new, self._new = self._new, []

@@ -48,10 +48,10 @@ def test_blocking_op_runs_on_the_callers_thread_when_idle():
     ops, on_caller, bad = 10, 0, []
     seen = []
 
-    def spy():
+    def spy(*args):
         import threading
         seen.append(threading.current_thread().name)
-        return original()
+        return original(*args)
 
     eng._cycle = spy
     try:

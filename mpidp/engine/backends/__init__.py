@@ -87,6 +87,14 @@ class Dispatch:
                              f"{self.names}); see docs/data_paths.md")
         return backend.execute(batch, entries, *fusion_limits)
 
+    def allreduce_one(self, entry) -> Optional[list]:
+        """The result of an allreduce of one host tensor, alone in its batch, by the path's
+        allreduce_one(); None where the path has none (CUDA wrappers): execute() then.
+        Synchronization: its collectives."""
+        backend = self.routes.get(entry.tensor[0].device.type)
+        one = getattr(backend, "allreduce_one", None)
+        return None if one is None else one(entry)
+
     def close(self) -> None:
         """Release process groups (local). Call once, after the engine's last batch."""
         # Wrappers (cuda.py) own nothing themselves; one path may serve several kinds.
