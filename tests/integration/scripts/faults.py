@@ -39,7 +39,7 @@ def fault() -> None:
     if args.mode == "engine":
         engine = mpidp.runtime.state().engine
 
-        def broken_cycle():
+        def broken_cycle(*args):
             raise OSError("injected engine failure")
         engine._cycle = broken_cycle
         time.sleep(0.5)  # let the engine thread reach its next cycle and die
