@@ -138,17 +138,7 @@ class HostBackend:
     def allreduce_one(self, entry: Entry) -> list:
         """The result of an allreduce op of one tensor: execute()'s for a batch of that op alone
         (a blocking call's), with no plan to make. Synchronization: its collectives."""
-        src, out, req = entry.tensor[0], entry.output[0], entry.request
-        nbytes = out.numel() * out.element_size()
-        if (self.hierarchical or req.prescale != 1.0 or out.dtype in dtypes.MPI_VIEW
-                or out.is_cuda or nbytes > self.config.chunk_bytes or self.timeline_mark
-                or src.requires_grad or out.dim() != 1):
-            self._allreduce_alone(src, out, req)
-        else:  # _allreduce_alone's work where MPI reads the tensor as it is, in fewer calls
-            self._wire(nbytes)
-            mpi.allreduce(self.comm, None if out is src else src.numpy(), out.numpy(),
-                          mpi.mpi_op(req.reduce_op, out.dtype == torch.bool), self.busy)
-            self._scale_after(out, req)
+        self._allreduce_alone(entry.tensor[0], entry.output[0], entry.request)
         return entry.output
 
     def _allreduce_packed(self, srcs: List[torch.Tensor], outs: List[torch.Tensor], req,

@@ -118,11 +118,6 @@ class ProcessGroupBackend(HostBackend):
 
     # ---- allreduce: HostBackend's packing and scaling, this reduction ----
 
-    def allreduce_one(self, entry: Entry) -> list:
-        """HostBackend's without its MPI shortcut: the reduction goes through the group."""
-        self._allreduce_alone(entry.tensor[0], entry.output[0], entry.request)
-        return entry.output
-
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
         recv = recv.view(-1)  # gloo wants at least one dimension; callers may pass any shape
         if send is not None:
