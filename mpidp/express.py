@@ -16,8 +16,8 @@ _memo_state = None
 
 
 def _prepared(tensor, name, op, pre, post, process_set, inplace, key):
-    """(engine, request, cache key) for this call, validated as the general path validates;
-    None where that path must run (it raises what is wrong)."""
+    """(engine, request, cache key, lane plan) for this call, validated as the general path
+    validates; None where that path must run (it raises what is wrong)."""
     global _memo_state
     state = runtime.current()
     if state is None:
@@ -37,7 +37,8 @@ def _prepared(tensor, name, op, pre, post, process_set, inplace, key):
     req = request(name, True, OpType.ALLREDUCE, t, op, pre, post)
     if len(_memo) >= _MEMO_MAX:
         _memo.clear()
-    hit = _memo[key] = (member.engine, req, req.cache_key())
+    engine = member.engine
+    hit = _memo[key] = (engine, req, req.cache_key(), engine.lane(req, t))
     return hit
 
 
@@ -59,11 +60,11 @@ def allreduce(tensor, name: str, op, pre: float, post: float, process_set, inpla
     prepared = _prepared(tensor, name, op, pre, post, process_set, inplace, key)
     if prepared is None:
         return None
-    engine, req, cache_key = prepared
+    engine, req, cache_key, plan = prepared
     src = tensor.detach() if tensor.requires_grad else tensor
     out = src if inplace else torch.empty_like(src)
     entry = Entry(req, [src], [out], cache_key=cache_key)
-    if not engine.express(entry):
+    if not engine.express(entry, plan):
         return None
     entry.wait()
     return tensor if inplace else out

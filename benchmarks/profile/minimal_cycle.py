@@ -7,6 +7,11 @@ a lock, a 3-word band Iallreduce (bitwise AND) spun on Test, an out-of-place 4 B
 Wait into a new tensor. No checks, no stats, no error handling: a measuring stick, not an
 implementation. Prints its warm median, then its median after 0.2 s of sleep against raw MPI
 (one Allreduce, and two in a row) timed the same way, every sample the largest over the ranks.
+
+Then the pieces after the same sleep, as ratios to the raw Allreduce: `torch.empty_like` of the
+4 B tensor alone, one Iallreduce spun on Test, and the two together (an out-of-place allreduce
+with no negotiation, no lookup and no lock at all): what any allreduce that returns a new
+tensor pays after idling, whatever its engine.
 """
 
 import argparse
@@ -77,6 +82,24 @@ def main():
         print(f"minimal cycle, np={WORLD.size}: warm median {warm_us:.1f} us; after 0.2 s "
               f"sleep {cold:.1f} us, raw Allreduce {raw:.1f} us ({cold / raw:.2f} x), two raw "
               f"Allreduces {raw2:.1f} us")
+    pieces = [("empty_like", lambda: torch.empty_like(t)), ("spun Iallreduce", lambda: spun(t)),
+              ("empty_like + spun Iallreduce", lambda: spun(t, torch.empty_like(t))),
+              ("raw Allreduce", lambda: DATA.Allreduce(MPI.IN_PLACE, a))]
+    cold = {what: after_sleep(fn, args.trials) for what, fn in pieces}
+    if WORLD.rank == 0:
+        print("after 0.2 s sleep, / raw Allreduce: " + ", ".join(
+            f"{what} {cold[what] * 1e6:.1f} us ({cold[what] / cold['raw Allreduce']:.2f} x)"
+            for what, _ in pieces))
+
+
+def spun(t: torch.Tensor, out=None) -> None:
+    """One 4 B Iallreduce of `t` (into `out`, or in place), spun on Test as the lane spins."""
+    send = MPI.buffer.fromaddress(t.data_ptr(), 4)
+    req = DATA.Iallreduce(MPI.IN_PLACE if out is None else [send, MPI.FLOAT],
+                          [send if out is None else MPI.buffer.fromaddress(out.data_ptr(), 4),
+                           MPI.FLOAT], op=MPI.SUM)
+    while not req.Test():
+        pass
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from .backends import make_backend
 from .messages import OpType
 from .protocol import WAKE_POLL_S, Negotiator
 from .executor import Executor
+from .lane import Lane, plan as lane_plan
 from .stats import EngineStats
 from .response_cache import HIT
 from .tensor_queue import CACHED, Entry, TensorQueue
@@ -108,13 +109,18 @@ class Engine:
         finally:
             self._driven()
 
-    def express(self, entry: Entry) -> bool:
+    def lane(self, req, tensor) -> Lane:
+        """The express lane's plan for allreduce request `req` of `tensor` alone (local)."""
+        return lane_plan(self.backend.routes.get(tensor.device.type), req, tensor, self.size)
+
+    def express(self, entry: Entry, plan: Lane) -> bool:
         """Run `entry`, not submitted, whose name and metadata are in the response cache, to
         completion on this thread if the engine is idle (True). Its first cycle skips the
         queue, the band's assembly and the batch planning (Negotiator.negotiate_one,
         Executor.run_one); later ones, needed only if the peers were not ready for this op
-        alone, are drive()'s. False, with nothing done, when the engine is busy or the op is
-        not cached: submit() it instead. Synchronization: as drive().
+        alone, are drive()'s. `plan`: lane() of its signature. False, with nothing done, when
+        the engine is busy or the op is not cached: submit() it instead. Synchronization: as
+        drive().
         """
         if not self._lock.acquire(blocking=False):
             return False
@@ -122,7 +128,7 @@ class Engine:
             if not self._hold(entry):
                 return False
             self._spin = True
-            self._guarded_cycle(entry)
+            self._guarded_cycle(entry, plan)
             while self._reason is None and not entry._done:
                 if not self._guarded_cycle():
                     self._back_off()
@@ -221,10 +227,10 @@ class Engine:
             entry.set_error(self._reason)
         self.queue.notify()
 
-    def _guarded_cycle(self, first: Optional[Entry] = None) -> bool:
+    def _guarded_cycle(self, first: Optional[Entry] = None, plan: Optional[Lane] = None) -> bool:
         """One cycle; an exception stops the engine (and fails every op) instead of escaping."""
         try:
-            return self._cycle(first)
+            return self._cycle(first, plan)
         except BaseException as exc:
             logger.error("engine failed:\n%s", traceback.format_exc())
             self._clean = False
@@ -234,18 +240,19 @@ class Engine:
                 raise  # KeyboardInterrupt on a driving user thread belongs to the user
             return False
 
-    def _cycle(self, first: Optional[Entry] = None) -> bool:
-        """Drain, negotiate, execute, complete (`first`: express()'s op, held, alone). True if
-        it made progress."""
+    def _cycle(self, first: Optional[Entry] = None, plan: Optional[Lane] = None) -> bool:
+        """Drain, negotiate, execute, complete (`first`: express()'s op, held, alone, with its
+        `plan`). True if it made progress."""
         began = time.monotonic()
         self.stats.cycles += 1
         if first is not None:
             drained = [first]
+            sent = plan.band(first.bit, self.neg.cache.num_bits)
             responses, stopped, params = self.neg.negotiate_one(first, self.queue.ops,
-                                                                self._stopping)
+                                                                self._stopping, sent)
             if params is None and len(responses) == 1 and responses[0].name == first.name \
                     and responses[0].op == OpType.ALLREDUCE:
-                self.executor.run_one(responses[0], first, self.queue)  # the common case
+                self.executor.run_one(responses[0], first, self.queue, plan)  # the common case
                 return True
         else:
             drained = self.queue.drain()

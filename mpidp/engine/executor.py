@@ -72,10 +72,19 @@ class Executor:
         for batch in batches:
             self._batch(batch, [ops.get(r.name) for r in batch], tl)
 
-    def run_one(self, resp: Response, entry: Entry, queue) -> None:
+    def run_one(self, resp: Response, entry: Entry, queue, lane=None) -> None:
         """run([resp]) and release() for an allreduce of one tensor whose op is in flight
-        (Engine.express's common case), with nothing to sort or plan."""
-        self._batch([resp], [entry], None)
+        (Engine.express's common case), with nothing to sort or plan; by `lane` (its
+        lane.Lane) when that has a data path."""
+        if lane is None or lane.op is None:
+            self._batch([resp], [entry], None)
+        else:
+            try:
+                lane.run(entry.tensor[0], entry.output[0], self.stats)
+            except Exception as exc:
+                self._failed([resp], [entry], exc)
+            else:
+                self.complete(entry, result=entry.output)
         self.release(queue)
 
     def _batch(self, batch: List[Response], entries: List[Optional[Entry]], tl) -> None:
@@ -95,18 +104,7 @@ class Executor:
                 results = self.backend.execute(batch, entries, tuned.fuse_below_bytes,
                                                tuned.fusion_threshold_bytes)
         except Exception as exc:
-            if self.size > 1:
-                # The peers may be inside this batch's collective, which this rank will never
-                # enter or finish: failing the op here alone would leave them waiting forever
-                # (whatever abort_on_error says), so the job ends.
-                mpi.abort_job(f"{batch[0].name!r}: the data path failed on rank {self.rank} "
-                              f"with {type(exc).__name__}: {exc}; the other ranks of this "
-                              f"collective cannot finish it, so every rank of the job is "
-                              f"ended:\n{traceback.format_exc().rstrip()}")
-            logger.error("%s failed:\n%s", batch[0].name, traceback.format_exc())
-            for entry in entries:  # alone, a bad buffer fails its ops, not the engine
-                self.complete(entry, error=EngineShutdownError(
-                    f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))
+            self._failed(batch, entries, exc)
             return
         ended = time.monotonic()
         self.stats.batch(op, fusion.tensor_count(batch), nbytes, ended - began)
@@ -114,3 +112,19 @@ class Executor:
             tl.batch_end(batch, began, ended, nbytes)
         for entry, result in zip(entries, results):
             self.complete(entry, result=result)
+
+    def _failed(self, batch: List[Response], entries: List[Optional[Entry]], exc) -> None:
+        """The data path raised `exc` in `batch`: end the job when peers may be inside its
+        collective, else fail the batch's ops."""
+        if self.size > 1:
+            # The peers may be inside this batch's collective, which this rank will never
+            # enter or finish: failing the op here alone would leave them waiting forever
+            # (whatever abort_on_error says), so the job ends.
+            mpi.abort_job(f"{batch[0].name!r}: the data path failed on rank {self.rank} "
+                          f"with {type(exc).__name__}: {exc}; the other ranks of this "
+                          f"collective cannot finish it, so every rank of the job is "
+                          f"ended:\n{traceback.format_exc().rstrip()}")
+        logger.error("%s failed:\n%s", batch[0].name, traceback.format_exc())
+        for entry in entries:  # alone, a bad buffer fails its ops, not the engine
+            self.complete(entry, error=EngineShutdownError(
+                f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))

@@ -175,24 +175,23 @@ class Negotiator:
         no invalid bit to announce (Engine.express may then run negotiate_one)."""
         return not (self._due or self._woken or self.joined or self.invalid)
 
-    def negotiate_one(self, entry: Entry, ops: Dict[str, Entry], stopping: Callable[[], bool]):
-        """negotiate() for a lone CACHED op on a quiet() rank, spinning: the band is this op's
-        bit alone, and when it comes back unchanged (every rank is ready for this op and
-        nothing else) the answer is its cached response without parsing the band. Any other
-        band is read as negotiate() reads it. Synchronization: as negotiate().
+    def negotiate_one(self, entry: Entry, ops: Dict[str, Entry], stopping: Callable[[], bool],
+                      sent: bytes):
+        """negotiate() for a lone CACHED op on a quiet() rank, spinning: the band `sent` is
+        this op's bit alone (lane.Lane.band), and when it comes back unchanged (every rank is
+        ready for this op and nothing else) the answer is its cached response without parsing
+        the band. Any other band is read as negotiate() reads it. Synchronization: as
+        negotiate().
         """
-        nb = 8 * ((self.cache.num_bits + 63) // 64)
-        bit = entry.bit
-        sent = bytearray(nb) + b"\xff" * (nb + 8)  # AND-neutral: no invalid bit, no flag
-        sent[bit >> 3] = 1 << (bit & 7)
+        nb = (len(sent) - 8) // 2
         band = bytearray(sent)
         self._exchange(band, 0, [entry], entry.submitted, stopping, True)
         if band != sent:
             return self._read(band, nb, ops, [entry], None, lambda: None)
-        self.cache.touch(bit)
+        self.cache.touch(entry.bit)
         self.stats.cache_hits += 1
         self.stats.end_negotiation(time.monotonic())
-        return [self.cache.response(bit)], False, None
+        return [self.cache.response(entry.bit)], False, None
 
     def _exchange(self, band: bytearray, flags: int, admitted: List[Entry], oldest: float,
                   stopping: Callable[[], bool], spin: bool) -> None:

@@ -21,9 +21,9 @@ class _Spy:
         self.calls = self.taken = 0
 
     def __enter__(self):
-        def spy(entry):
+        def spy(*args):
             self.calls += 1
-            taken = self.original(entry)
+            taken = self.original(*args)
             self.taken += taken
             return taken
         self.eng.express = spy
@@ -85,6 +85,20 @@ def test_repeated_named_allreduce_takes_the_express_lane_with_exact_results(case
     # for one that meets the sleeping engine thread holding the cycle lock while it tests for
     # wake-ups (a moment every WAKE_POLL_S): that one takes the general path.
     assert_all(spy.taken >= 4, f"{spy.taken} of {spy.calls} calls took the express lane")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_express_integer_average_truncates_toward_zero(dtype):
+    # Horovod's rule, on the lane's own scaling: -5 over 4 ranks is -1, not -2.
+    name = f"express.trunc.{dtype}"
+    t = torch.tensor([-2 if rank() == 0 else -1, 3 if rank() == 0 else 1], dtype=dtype)
+    want = torch.tensor([-(size() + 1), size() + 2], dtype=torch.float64) / size()
+    with _Spy() as spy:
+        for step in range(4):
+            out = run_all(mpidp.allreduce, t, name=name, op=mpidp.Average)
+            check_tensor(out, want.trunc().to(dtype), f"step {step}", exact=True)
+    assert_all(spy.taken >= 2, f"{spy.taken} of {spy.calls} calls took the express lane")
 
 
 @pytest.mark.mpi
