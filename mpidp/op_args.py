@@ -47,7 +47,9 @@ def same_device(tensors: List[torch.Tensor], what: str) -> None:
                          f"device (move them with .cpu() or .cuda() first)")
 
 
-def resolve_op(average, op, what: str) -> ReduceOp:
+def resolve_op(average, op, what: str, size: Optional[int] = None) -> ReduceOp:
+    """The reduce op asked for (Average by default); `size`, the number of ranks the op runs
+    on, where known: Adasum needs a power of 2 of them."""
     if average is not None and op is not None:
         raise ValueError(f"{what}: give either op= or the deprecated average=, not both")
     if average is not None:
@@ -56,15 +58,19 @@ def resolve_op(average, op, what: str) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
-    if type(op) is ReduceOp and op != Adasum:
-        return op
-    try:
-        op = ReduceOp(op)
-    except ValueError:
-        raise ValueError(f"{what}: unknown reduce op {op!r}; use mpidp.Average, Sum, Min, Max "
-                         f"or Product") from None
-    if op == Adasum:
-        raise ValueError(f"{what}: Adasum is not supported by mpidp; use mpidp.Average")
+    if type(op) is not ReduceOp:
+        try:
+            op = ReduceOp(op)
+        except ValueError:
+            raise ValueError(f"{what}: unknown reduce op {op!r}; use mpidp.Average, Sum, Min, "
+                             f"Max, Product or Adasum") from None
+    if op == Adasum and size is not None and size & (size - 1):
+        # Horovod refuses this too (NotImplementedError): the pairwise tree of Adasum
+        # (engine/adasum.py) has no partner for the ranks beyond the largest power of 2.
+        raise NotImplementedError(
+            f"{what}: Adasum needs a power-of-2 number of ranks, as in Horovod, and this op "
+            f"runs on {size}; run with 1, 2, 4, 8, ... ranks, reduce over a process set of a "
+            f"power-of-2 size, or use op=mpidp.Average")
     return op
 
 
@@ -74,6 +80,9 @@ def check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
                         f"or Min (logical and)")
     if (pre != 1.0 or post != 1.0) and tensor.dtype == torch.bool:
         raise TypeError(f"{what}: prescale/postscale factors are not defined for bool tensors")
+    if op == Adasum and not tensor.is_floating_point():
+        raise TypeError(f"{what}: Adasum is defined for float16, bfloat16, float32 and float64 "
+                        f"tensors, not {tensor.dtype}; cast the tensor or use mpidp.Sum")
 
 
 UNNAMED = "<unnamed>"  # stands in for the number an unnamed op draws once it is accepted

@@ -75,7 +75,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
     """One op for the whole list when its tensors share dtype and device (the data path packs
     the small ones and reduces large ones in place), else one op per tensor."""
     target = member_of(process_set, what)
-    reduce_op = resolve_op(average, op, what)
+    reduce_op = resolve_op(average, op, what, target[1].size)
     base, cacheable = op_name(name, what)
     checked, outs = [], []
     for i, tensor in enumerate(tensors):

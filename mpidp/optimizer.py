@@ -23,6 +23,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     reached through it, so LR schedulers and GradScaler work unchanged.
     """
 
+    def __new__(cls, *args, **kwargs):
+        # op=Adasum reduces each rank's parameter update, not its gradient: adasum_optimizer.py
+        op = kwargs.get("op", args[4] if len(args) > 4 else None)
+        if cls is DistributedOptimizer and op is not None and op == ops.Adasum:
+            from .adasum_optimizer import AdasumOptimizer
+            cls = AdasumOptimizer
+        return super().__new__(cls)
+
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
@@ -38,17 +46,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer: this optimizer is already a "
                              "DistributedOptimizer; wrap the plain torch optimizer once (pass "
                              "`opt` rather than `DistributedOptimizer(opt)`)")
-        op = op_args.resolve_op(None, op, "DistributedOptimizer")
+        # A rank outside the set does what Horovod does there: no hooks, synchronize() does
+        # nothing, step() applies the local gradients. Any other bad set is refused here.
+        self._outside = is_outside(process_set)
+        size = None if self._outside else member_of(process_set, "DistributedOptimizer")[1].size
+        op = op_args.resolve_op(None, op, "DistributedOptimizer", size)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         if gradient_predivide_factor <= 0:
             raise ValueError("gradient_predivide_factor must be > 0")
         self.__dict__["_opt"] = optimizer
-        # A rank outside the set does what Horovod does there: no hooks, synchronize() does
-        # nothing, step() applies the local gradients. Any other bad set is refused here.
-        self._outside = is_outside(process_set)
-        if not self._outside:
-            member_of(process_set, "DistributedOptimizer")
         self._process_set = process_set
         self._names = named(optimizer, named_parameters)
         self._compression = compression

@@ -6,7 +6,7 @@ in StreamOrdered) a CUDA tensor is handed to MPI as itself (mpi4py reads
 synchronized before MPI reads device memory.
 That device branch has never run on a GPU (docs/data_paths.md).
 
-Hierarchical allreduce: hierarchy.py.
+Hierarchical allreduce: hierarchy.py. Adasum, whatever the data path: adasum.py.
 """
 
 import math
@@ -15,9 +15,9 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-from .. import dtypes, fusion, half, mpi, scaling
+from .. import adasum, dtypes, fusion, half, mpi, scaling
 from . import hierarchy
-from ..messages import OpType, Response, part_shapes
+from ..messages import OpType, ReduceOp, Response, part_shapes
 from ..tensor_queue import Entry
 
 
@@ -138,6 +138,8 @@ class HostBackend:
     def allreduce_one(self, entry: Entry) -> list:
         """The result of an allreduce op of one tensor: execute()'s for a batch of that op alone
         (a blocking call's), with no plan to make. Synchronization: its collectives."""
+        if entry.request.reduce_op == ReduceOp.ADASUM:  # every data path's Adasum: adasum.py
+            return adasum.reduce(self, entry.tensor, entry.output, entry.request)
         self._allreduce_alone(entry.tensor[0], entry.output[0], entry.request)
         return entry.output
 
@@ -173,7 +175,6 @@ class HostBackend:
         buffer), large ones reduced in place; one result (the list of outputs) per op.
         A joined rank (entry None) reduces zeros of the agreed shapes."""
         req = batch[0].request
-        shapes, groups = self._planner(batch, fuse_below, threshold)
         device = local_device(batch, entries)
         srcs, outs, results = [], [], []
         for resp, entry in zip(batch, entries):
@@ -187,6 +188,10 @@ class HostBackend:
                 srcs += entry.tensor
                 outs += entry.output
                 results.append(entry.output)
+        if req.reduce_op == ReduceOp.ADASUM:  # every data path's Adasum: adasum.py
+            adasum.reduce_parts(self, srcs, outs, req, threshold)
+            return results
+        shapes, groups = self._planner(batch, fuse_below, threshold)
         for packed, idx in groups:
             if packed and len(idx) > 1:
                 self._allreduce_packed([srcs[i] for i in idx], [outs[i] for i in idx], req,
