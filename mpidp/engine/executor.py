@@ -72,11 +72,11 @@ class Executor:
         for batch in batches:
             self._batch(batch, [ops.get(r.name) for r in batch], tl)
 
-    def run_one(self, resp: Response, entry: Entry, queue, lane=None) -> None:
+    def run_one(self, resp: Response, entry: Entry, queue, lane) -> None:
         """run([resp]) and release() for an allreduce of one tensor whose op is in flight
         (Engine.express's common case), with nothing to sort or plan; by `lane` (its
         lane.Lane) when that has a data path."""
-        if lane is None or lane.op is None:
+        if lane.op is None:
             self._batch([resp], [entry], None)
         else:
             try:
