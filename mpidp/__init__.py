@@ -11,6 +11,7 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
                         broadcast_parameters, check_replicas)
 from .observe import start_timeline, stats, stats_window, stop_timeline
 from .optimizer import DistributedOptimizer
+from . import adasum_optimizer  # noqa: F401  (registers DistributedOptimizer(op=Adasum))
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
 from .sync_batch_norm import SyncBatchNorm

@@ -125,3 +125,6 @@ class AdasumOptimizer(DistributedOptimizer):
                 bucket.submitted, bucket.dense, bucket.sparse = False, [], []
             self._passes.clear()
         return loss
+
+
+DistributedOptimizer.variants[ops.Adasum] = AdasumOptimizer

@@ -23,12 +23,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     reached through it, so LR schedulers and GradScaler work unchanged.
     """
 
+    # Reduce ops whose optimizer works otherwise register their subclass here, so that this
+    # module never imports it (op=Adasum reduces updates, not gradients: adasum_optimizer.py).
+    variants: dict = {}
+
     def __new__(cls, *args, **kwargs):
-        # op=Adasum reduces each rank's parameter update, not its gradient: adasum_optimizer.py
         op = kwargs.get("op", args[4] if len(args) > 4 else None)
-        if cls is DistributedOptimizer and op is not None and op == ops.Adasum:
-            from .adasum_optimizer import AdasumOptimizer
-            cls = AdasumOptimizer
+        if cls is DistributedOptimizer and isinstance(op, int):
+            cls = DistributedOptimizer.variants.get(op, cls)
         return super().__new__(cls)
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
