@@ -12,6 +12,8 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
 from .observe import start_timeline, stats, stats_window, stop_timeline
 from .optimizer import DistributedOptimizer
 from . import adasum_optimizer  # noqa: F401  (registers DistributedOptimizer(op=Adasum))
+from .sharded_optimizer import ShardedOptimizer
+from .sharded_scaler import ShardedGradScaler
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
 from .sync_batch_norm import SyncBatchNorm
@@ -37,7 +39,8 @@ __all__ = [
     "Adasum", "Average", "CheckpointError", "CheckpointNotFoundError", "CollectiveError",
     "Compression", "ConfigError", "DistributedOptimizer", "EngineShutdownError",
     "HorovodInternalError", "Max", "Min", "MismatchError", "MpidpError", "NotInitializedError",
-    "OpTimeoutError", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set",
+    "OpTimeoutError", "ProcessSet", "Product", "ShardedGradScaler", "ShardedOptimizer", "Sum",
+    "SyncBatchNorm", "add_process_set",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",

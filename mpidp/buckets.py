@@ -44,10 +44,11 @@ class Bucket:
         self.request = self.cache_key = self.dtype = None  # kept from the first submission
 
 
-def make_buckets(trained, names, groups, cap: int) -> List["Bucket"]:
+def make_buckets(trained, names, groups, cap: int, apart=None) -> List["Bucket"]:
     """Buckets of `trained` parameters: the user's groups as they are; the rest in reverse
     order (gradients become ready roughly from the last layer back, as in DDP), one bucket per
-    dtype and device filled up to `cap` bytes (0: one parameter per bucket)."""
+    dtype and device (and value of `apart`, a parameter -> key map, if given) filled up to
+    `cap` bytes (0: one parameter per bucket)."""
     out, loose = [], []
     by_group: Dict[int, List[torch.nn.Parameter]] = {}
     for p in trained:
@@ -61,7 +62,7 @@ def make_buckets(trained, names, groups, cap: int) -> List["Bucket"]:
     open_: Dict[tuple, List] = {}
     size: Dict[tuple, int] = {}
     for p in reversed(loose):
-        key = (p.dtype, p.device)
+        key = (p.dtype, p.device, None if apart is None else apart[p])
         nbytes = p.numel() * p.element_size()
         members = open_.get(key)
         if members is None or not cap or size[key] + nbytes > cap:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from . import functions, ops, runtime
+from . import checkpoint_shards, functions, ops, runtime
 from .rng import rng_state, set_rng_state
 from .errors import CheckpointError, CheckpointNotFoundError
 from .log import logger
@@ -156,6 +156,9 @@ def save(path, /, **state) -> None:
     bad = sorted(set(state) & set(RESERVED))
     if bad:
         raise ValueError(f"checkpoint.save: {bad} are load() options and cannot name a value")
+    for value in state.values():
+        if getattr(value, "is_sharded", False):  # a ShardedOptimizer: its state on rank 0
+            value.consolidate_state_dict(to=0)
     rngs = functions.allgather_object(rng_state(), name="mpidp.checkpoint.save.rng")
     failure = None
     if runtime.rank() == 0:
@@ -169,6 +172,14 @@ def save(path, /, **state) -> None:
         raise CheckpointError(f"checkpoint.save({path!r}) failed on rank 0: {failure}; the "
                               f"previous checkpoint there, if any, is unchanged")
     logger.debug("checkpoint saved to %s", path)
+
+
+def save_sharded(path, /, **state) -> None:
+    """As save(), but each ShardedOptimizer is stored as every rank's own shard, written by
+    that rank next to `path` (checkpoint_shards.py): nothing is gathered. load() reads it back at
+    any world size. Synchronization: as save(), plus an allgather of the shard writes' outcome."""
+    path = os.fspath(path)
+    save(path, **{**state, **checkpoint_shards.write(path, state, _write_atomically, _describe)})
 
 
 # ---- load ----
@@ -221,7 +232,7 @@ def _apply(path: str, payload: Dict[str, Any], targets: Dict[str, Any]) -> Dict[
         if kinds[key] == _VALUE:
             raise TypeError(f"checkpoint.load: {key!r} was saved as a plain value, not as the "
                             f"state of a module, optimizer or sampler")
-        target.load_state_dict(state[key])
+        target.load_state_dict(checkpoint_shards.resolve(path, key, state[key], target))
     return {key: value for key, value in state.items() if key not in targets}
 
 

@@ -79,9 +79,18 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
     Broadcasts the state itself, never a dummy step (which would move weights under weight
     decay and advance Adam's step count): tensor state travels as tensors, scalar state and
     every param-group option keep their Python types. `model`, if given, names the tensors
-    after its parameters (clearer errors). Synchronization: blocks on every rank.
+    after its parameters (clearer errors). For a ShardedOptimizer, whose state is each rank's
+    own shard, only the param groups' options are copied. Synchronization: blocks on every rank.
     """
     opt = getattr(optimizer, "_opt", optimizer)
+    if getattr(optimizer, "is_sharded", False):
+        # A ShardedOptimizer's state is each rank's own part: only the options are copied.
+        groups = broadcast_object([{k: v for k, v in g.items() if k != "params"}
+                                   for g in opt.param_groups], root_rank,
+                                  name="broadcast_optimizer_state.options")
+        for group, options in zip(opt.param_groups, groups):
+            group.update(options)
+        return
     names = _param_names(opt, model)
     state = opt.state_dict()
     rank = runtime.rank()

@@ -1,0 +1,299 @@
+"""ShardedOptimizer: each rank keeps the optimizer state of its shard of the parameters (ZeRO).
+
+Per step, for each bucket of gradients (the same buckets, hooks and accumulation rules as
+DistributedOptimizer, one bucket per parameter group, dtype and device):
+1. when its gradients are ready, they are packed end to end and reduce-scattered (Average)
+   through the engine, overlapping the rest of the backward pass: each rank gets the averaged
+   gradient of its equal chunk of the bucket (shard_layout.Layout);
+2. step() steps the wrapped optimizer on this rank's chunks only (its param_groups hold one
+   chunk-long tensor per bucket in place of the parameters, so its state is 1/N of the
+   unsharded one);
+3. the updated chunks are allgathered and copied into the parameters.
+Reduce-scatter plus allgather move what one allreduce moves. stage=1 keeps every parameter's
+.grad as a view into a persistent gradient buffer (backward accumulates straight into it);
+stage=2 frees the parameters' gradients once they are packed and keeps only the reduced chunk.
+"""
+
+import torch
+
+from . import collectives, functions, ops, runtime, sharded_state
+from .buckets import make_buckets
+from .optimizer import DistributedOptimizer
+from .ops import Average, Max, Sum
+from .process_sets import member_of
+from .shard_layout import Layout
+
+# torch optimizers whose state or update is not elementwise per parameter.
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+class ShardedOptimizer(DistributedOptimizer):
+    """Wraps `optimizer`; each rank of the process set holds the optimizer state of 1/N of
+    every bucket of parameters (see the module docstring). stage=1: optimizer state sharded;
+    stage=2: gradients too. Works with optimizers that are elementwise per parameter (SGD,
+    Adam, AdamW, RMSprop, ...), param groups, LR schedulers, backward_passes_per_step.
+    Synchronization: step() waits for every bucket's reduce-scatter, then allgathers the
+    updated parameters (every rank of the set must call it)."""
+
+    def __init__(self, optimizer, named_parameters=None, process_set=None, stage: int = 1,
+                 backward_passes_per_step: int = 1):
+        if stage not in (1, 2) or isinstance(stage, bool):
+            raise ValueError(f"ShardedOptimizer: stage must be 1 (optimizer state sharded) or "
+                             f"2 (gradients too), not {stage!r}")
+        if type(optimizer).__name__ in _NOT_ELEMENTWISE:
+            raise ValueError(f"ShardedOptimizer: {type(optimizer).__name__} is not elementwise "
+                             f"per parameter, so its state cannot be cut into shards; use "
+                             f"DistributedOptimizer")
+        super().__init__(optimizer, named_parameters,
+                         backward_passes_per_step=backward_passes_per_step,
+                         process_set=process_set)
+        self._stage = stage
+        self._consolidated = None
+        self._reduced = False
+        if self._outside:
+            return
+        member = member_of(process_set, "ShardedOptimizer")[1]
+        self._size, self._rank = member.size, member.rank
+        self._ranks = member.ranks
+        full = self._opt.state_dict() if self._opt.state else None
+        groups = self._opt.param_groups
+        position, group_of = {}, {}
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                position[p] = len(position)
+                group_of[p] = gi
+        self._group_indices = [[position[p] for p in g["params"]] for g in groups]
+        trained = [p for p in self._names if p.requires_grad]
+        self._buckets = make_buckets(trained, self._names, {},
+                                     runtime.state().config.bucket_bytes, group_of)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._slot = {id(b): i for i, b in enumerate(self._buckets)}
+        self._layouts = [Layout(b.params, [position[p] for p in b.params], self._size,
+                                self._rank) for b in self._buckets]
+        self._shards = [torch.zeros(lay.chunk, dtype=b.params[0].dtype,
+                                    device=b.params[0].device)
+                        for lay, b in zip(self._layouts, self._buckets)]
+        self._flats = [None] * len(self._buckets)  # stage 1: persistent gradient buffers
+        self._views = [None] * len(self._buckets)  # stage 1: each parameter's .grad in it
+        self._sent = [None] * len(self._buckets)   # stage 2: the packed gradients in flight
+        for gi, group in enumerate(groups):
+            group["params"] = [s for s, b in zip(self._shards, self._buckets)
+                               if group_of[b.params[0]] == gi]
+        if full is not None:
+            sharded_state.load_full(self._opt, self._layouts, self._shards, full)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether this rank's optimizer holds shards (False outside the process set)."""
+        return not self._outside
+
+    def __repr__(self):
+        return f"ShardedOptimizer({self._opt!r}, stage={self._stage})"
+
+    # ---- gradient submission ----
+
+    def _submit(self, bucket) -> None:
+        """Pack the bucket's gradients and start their reduce-scatter."""
+        if self._outside:
+            return super()._submit(bucket)
+        bucket.submitted = True
+        self._reduced = False
+        i = self._slot[id(bucket)]
+        layout, first = self._layouts[i], bucket.params[0]
+        grads = [None if p.grad is None else
+                 (p.grad.to_dense() if p.grad.is_sparse else p.grad) for p in bucket.params]
+        if self._stage == 1:
+            flat = self._flats[i]
+            if flat is None:
+                flat = self._flats[i] = torch.zeros(layout.padded, dtype=first.dtype,
+                                                    device=first.device)
+                self._views[i] = layout.split(flat)
+            for p, g, view in zip(bucket.params, grads, self._views[i]):
+                if g is view:
+                    continue  # backward accumulated straight into the buffer
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+                p.grad = view
+        else:
+            flat = layout.pack(grads, torch.empty(layout.padded, dtype=first.dtype,
+                                                  device=first.device))
+            for p in bucket.params:
+                p.grad = None
+            self._sent[i] = flat
+        bucket.handle = ops.reducescatter_async(flat, name=f"mpidp.sharded.{bucket.name}",
+                                                op=Average, process_set=self._process_set)
+
+    def synchronize(self) -> None:
+        """Submit what the hooks have not (zeros for parameters without a gradient), then wait
+        for every bucket's reduce-scatter: each shard's .grad is then its averaged gradient.
+        Calling it again before step() does nothing. Synchronization: blocks until every rank
+        of the set has submitted the same buckets."""
+        if self._outside:
+            return super().synchronize()
+        if self._reduced and not self._in_flight():
+            return
+        for bucket in self._buckets:
+            if not bucket.submitted:
+                self._submit(bucket)
+        if self._frozen:
+            self._warn_unfrozen()
+        try:
+            for shard, bucket in zip(self._shards, self._buckets):
+                handle, bucket.handle = bucket.handle, None
+                shard.grad = ops.synchronize(handle)
+        finally:
+            for bucket in self._buckets:
+                bucket.handle, bucket.ready, bucket.submitted = None, 0, False
+            self._sent = [None] * len(self._buckets)
+            self._passes.clear()
+        self._reduced = True
+        self._synchronized = True
+
+    # ---- step ----
+
+    def step(self, closure=None):
+        """Reduce-scatter what is left, step the wrapped optimizer on this rank's shards,
+        allgather the updated parameters; returns the closure's loss. Synchronization: every
+        rank of the set (the reduce-scatters, then one allgather per bucket)."""
+        if self._outside:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_sync:
+            self.synchronize()
+        elif not self._reduced:
+            raise RuntimeError("ShardedOptimizer.step() inside skip_synchronize() needs "
+                               "optimizer.synchronize() first: the shards have no reduced "
+                               "gradients yet")
+        self._consolidated = None
+        # The parameters are the truth: a broadcast or a load after wrapping changed them.
+        for layout, shard in zip(self._layouts, self._shards):
+            layout.read_own(shard)
+        self._opt.step()
+        self._reduced = self._synchronized = False
+        handles = [ops.allgather_async(shard.detach(), name=f"mpidp.sharded.{b.name}.params",
+                                       process_set=self._process_set)
+                   for shard, b in zip(self._shards, self._buckets)]
+        for layout, handle in zip(self._layouts, handles):
+            layout.unpack(ops.synchronize(handle))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear gradients: the shards' always; with stage=1 the parameters' gradient buffer
+        is zeroed and kept (backward accumulates into it). Refuses while reductions are in
+        flight (call step() first)."""
+        if self._outside or self._in_flight():
+            return super().zero_grad(set_to_none)
+        for shard in self._shards:
+            shard.grad = None
+        for i, bucket in enumerate(self._buckets):
+            views = self._views[i]
+            if views is not None:
+                self._flats[i].zero_()
+            for j, p in enumerate(bucket.params):
+                if views is not None and p.grad is views[j]:
+                    continue
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self._reduced = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Scale the reduced gradients so that their global norm (over every parameter of every
+        rank's shard) is at most `max_norm`, as torch.nn.utils.clip_grad_norm_ does for a whole
+        model; returns the norm before clipping. Synchronizes first if step() has not.
+        Synchronization: one allreduce of a scalar over the set."""
+        norm_type = float(norm_type)
+        if self._outside:
+            params = [p for g in self._opt.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite)
+        self.synchronize()
+        grads = [s.grad for s in self._shards if s.grad is not None]
+        if norm_type == float("inf"):
+            local = max((g.detach().abs().max().double() for g in grads),
+                        default=torch.zeros((), dtype=torch.float64))
+            total = collectives.allreduce(local.reshape(1), name="mpidp.sharded.clip_norm",
+                                          op=Max, process_set=self._process_set)[0]
+        else:
+            local = sum((g.detach().double().abs().pow(norm_type).sum() for g in grads),
+                        torch.zeros((), dtype=torch.float64))
+            total = collectives.allreduce(local.reshape(1), name="mpidp.sharded.clip_norm",
+                                          op=Sum, process_set=self._process_set)[0]
+            total = total.pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"ShardedOptimizer.clip_grad_norm_: the total norm of order "
+                               f"{norm_type} of the gradients is non-finite ({total.item()})")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total.to(grads[0].dtype if grads else torch.float32)
+
+    # ---- state ----
+
+    def _groups(self):
+        return [dict(options, params=list(indices)) for options, indices in
+                zip(sharded_state.options(self._opt.param_groups), self._group_indices)]
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the state (sharded_state.SHARDED_FORMAT); every rank's together
+        load at any world size. No collective."""
+        if self._outside:
+            return self._opt.state_dict()
+        return sharded_state.local(self._opt, self._layouts, self._shards, self._groups(),
+                                   self._size, self._rank)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state, in the wrapped optimizer's own per-parameter form, on global
+        rank `to`, whose state_dict() then returns it (until the next step()).
+        Synchronization: an allgather over the set; every rank of it must call this."""
+        if self._outside:
+            return
+        if to not in self._ranks:
+            raise ValueError(f"ShardedOptimizer.consolidate_state_dict: rank {to} is not in the "
+                             f"optimizer's process set (ranks {list(self._ranks)})")
+        parts = functions.allgather_object(self.sharded_state_dict(),
+                                           name="mpidp.sharded.consolidate",
+                                           process_set=self._process_set)
+        self._consolidated = sharded_state.assemble(parts) if runtime.rank() == to else None
+
+    def state_dict(self):
+        """The whole state in the wrapped optimizer's own form (loadable by it, by
+        DistributedOptimizer, by ShardedOptimizer at any size), after
+        consolidate_state_dict(to=this rank). No collective."""
+        if self._outside:
+            return self._opt.state_dict()
+        if self._consolidated is None:
+            raise RuntimeError("ShardedOptimizer.state_dict(): each rank holds only its shard "
+                               "of the state; call optimizer.consolidate_state_dict(to=R) on "
+                               "every rank first, then state_dict() on rank R (or "
+                               "sharded_state_dict() on every rank, or save with "
+                               "mpidp.checkpoint.save / save_sharded)")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load the full form (from state_dict(), or the plain optimizer's), or every rank's
+        sharded forms as a list, at any world size. No collective."""
+        if self._outside:
+            return self._opt.load_state_dict(state_dict)
+        if isinstance(state_dict, (list, tuple)):
+            state_dict = sharded_state.assemble(list(state_dict))
+        elif isinstance(state_dict, dict) and \
+                state_dict.get("format") == sharded_state.SHARDED_FORMAT:
+            raise ValueError("ShardedOptimizer.load_state_dict: this is one rank's shard; pass "
+                             "the list of every rank's sharded_state_dict()")
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+            raise ValueError("ShardedOptimizer.load_state_dict: expected an optimizer state "
+                             "dict ('state' and 'param_groups') or a list of sharded ones")
+        sizes = [len(g.get("params", ())) for g in state_dict["param_groups"]]
+        if sizes != [len(g) for g in self._group_indices]:
+            raise ValueError(f"ShardedOptimizer.load_state_dict: the state's parameter groups "
+                             f"hold {sizes} parameters, the optimizer's "
+                             f"{[len(g) for g in self._group_indices]}")
+        sharded_state.load_full(self._opt, self._layouts, self._shards, state_dict)
