@@ -8,7 +8,9 @@ tuples, dicts, `torch.Size`, dtypes); `save` refuses anything else up front, so 
 could not be loaded is never written. It also stores the random number generator states of every
 rank: torch's CPU generator, numpy's global generator, Python's `random`, and CUDA's generators
 where CUDA is available. `load(path, **targets)` puts the saved states into the targets passed by
-name, restores this rank's own RNG states and returns the other values.
+name, restores this rank's own RNG states and returns the other values. A ShardedOptimizer is
+saved consolidated (gathered on rank 0) by `save`, and as one file per rank by `save_sharded`
+(checkpoint_shards.py); `load` takes either, at any world size.
 
 Atomicity: rank 0 writes a temporary file `.<name>.tmp-<pid>` in the checkpoint's directory,
 flushes and fsyncs it, renames it over `path` (`os.replace`) and fsyncs the directory. A process

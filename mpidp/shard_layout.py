@@ -51,20 +51,20 @@ class Layout:
         out[self.total:].zero_()
         return out
 
-    def unpack(self, flat: torch.Tensor) -> None:
-        """Set every parameter's values from `flat` (the whole padded bucket)."""
+    def home(self, flat: torch.Tensor) -> None:
+        """Move every parameter's values into `flat` (padded length; padding zeroed) and make
+        the parameter a view of its place there (same Parameter object, new storage)."""
         with torch.no_grad():
-            for p, begin, end in zip(self.params, self.offsets, self.offsets[1:]):
-                p.copy_(flat[begin:end].view_as(p))
+            self.pack([p.detach() for p in self.params], flat)
+            for p, view in zip(self.params, self.split(flat)):
+                p.data = view
 
-    def read_own(self, out: torch.Tensor) -> None:
-        """Copy this rank's chunk of the parameters' current values into `out` (chunk long;
-        padding zero)."""
-        with torch.no_grad():
-            out.zero_()
-            for i, at_param, at_out, n in self.own_pieces():
-                out[at_out:at_out + n].copy_(
-                    self.params[i].detach().reshape(-1)[at_param:at_param + n])
+    def homed(self, flat: torch.Tensor) -> bool:
+        """Whether every parameter is still the view home() made (not given new storage)."""
+        base = flat.data_ptr()
+        size = flat.element_size()
+        return all(p.data_ptr() == base + begin * size and p.is_contiguous()
+                   for p, begin in zip(self.params, self.offsets))
 
     def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """The padded bucket-long `flat` as one tensor per parameter, shaped like it."""

@@ -16,10 +16,10 @@ stage=2 frees the parameters' gradients once they are packed and keeps only the 
 
 import torch
 
-from . import collectives, functions, ops, runtime, sharded_state
+from . import functions, grad_norm, ops, runtime, sharded_state
 from .buckets import make_buckets
 from .optimizer import DistributedOptimizer
-from .ops import Average, Max, Sum
+from .ops import Average
 from .process_sets import member_of
 from .shard_layout import Layout
 
@@ -70,9 +70,16 @@ class ShardedOptimizer(DistributedOptimizer):
         self._slot = {id(b): i for i, b in enumerate(self._buckets)}
         self._layouts = [Layout(b.params, [position[p] for p in b.params], self._size,
                                 self._rank) for b in self._buckets]
-        self._shards = [torch.zeros(lay.chunk, dtype=b.params[0].dtype,
-                                    device=b.params[0].device)
-                        for lay, b in zip(self._layouts, self._buckets)]
+        # The parameters move into one buffer per bucket (each becomes a view of its place),
+        # so this rank's shard is a view of the parameters themselves: the wrapped optimizer
+        # steps them in place and the allgather lands with one copy.
+        self._homes = [torch.zeros(lay.padded, dtype=b.params[0].dtype,
+                                   device=b.params[0].device)
+                       for lay, b in zip(self._layouts, self._buckets)]
+        for lay, home in zip(self._layouts, self._homes):
+            lay.home(home)
+        self._shards = [home[lay.start:lay.stop]
+                        for lay, home in zip(self._layouts, self._homes)]
         self._flats = [None] * len(self._buckets)  # stage 1: persistent gradient buffers
         self._views = [None] * len(self._buckets)  # stage 1: each parameter's .grad in it
         self._sent = [None] * len(self._buckets)   # stage 2: the packed gradients in flight
@@ -170,16 +177,18 @@ class ShardedOptimizer(DistributedOptimizer):
                                "optimizer.synchronize() first: the shards have no reduced "
                                "gradients yet")
         self._consolidated = None
-        # The parameters are the truth: a broadcast or a load after wrapping changed them.
-        for layout, shard in zip(self._layouts, self._shards):
-            layout.read_own(shard)
+        # A script that gave a parameter new storage (p.data = ...) moved it out of its home.
+        for layout, home in zip(self._layouts, self._homes):
+            if not layout.homed(home):
+                layout.home(home)
         self._opt.step()
         self._reduced = self._synchronized = False
         handles = [ops.allgather_async(shard.detach(), name=f"mpidp.sharded.{b.name}.params",
                                        process_set=self._process_set)
                    for shard, b in zip(self._shards, self._buckets)]
-        for layout, handle in zip(self._layouts, handles):
-            layout.unpack(ops.synchronize(handle))
+        with torch.no_grad():
+            for home, handle in zip(self._homes, handles):
+                home.copy_(ops.synchronize(handle))
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -216,24 +225,8 @@ class ShardedOptimizer(DistributedOptimizer):
                                                   error_if_nonfinite)
         self.synchronize()
         grads = [s.grad for s in self._shards if s.grad is not None]
-        if norm_type == float("inf"):
-            local = max((g.detach().abs().max().double() for g in grads),
-                        default=torch.zeros((), dtype=torch.float64))
-            total = collectives.allreduce(local.reshape(1), name="mpidp.sharded.clip_norm",
-                                          op=Max, process_set=self._process_set)[0]
-        else:
-            local = sum((g.detach().double().abs().pow(norm_type).sum() for g in grads),
-                        torch.zeros((), dtype=torch.float64))
-            total = collectives.allreduce(local.reshape(1), name="mpidp.sharded.clip_norm",
-                                          op=Sum, process_set=self._process_set)[0]
-            total = total.pow(1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"ShardedOptimizer.clip_grad_norm_: the total norm of order "
-                               f"{norm_type} of the gradients is non-finite ({total.item()})")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total.to(grads[0].dtype if grads else torch.float32)
+        return grad_norm.clip_(grads, max_norm, norm_type, error_if_nonfinite,
+                               self._process_set)
 
     # ---- state ----
 

@@ -331,3 +331,44 @@ def test_bad_input_is_refused_clearly():
     run_all(opt.step)
     with opt.skip_synchronize():
         raises_all(RuntimeError, opt.step, match="synchronize() first")
+
+
+@pytest.mark.mpi
+def test_new_storage_for_a_parameter_is_taken_back_into_its_bucket():
+    model, opt, ref, ref_opt = _pair("sgd_momentum", 1)
+    data = _data(steps=3)
+    _train(model, opt, data[:1])
+    _train(ref, ref_opt, data[:1])
+    with torch.no_grad():
+        for m in (model, ref):
+            m[0].weight.data = m[0].weight.detach().clone() * 0.5  # new storage
+            m[2].bias.data.mul_(2.0)  # in place, behind autograd's back
+    _train(model, opt, data[1:])
+    _train(ref, ref_opt, data[1:])
+    err = _deviation(model, ref)
+    assert_all(err < 1e-12, f"max deviation {err}")
+    _assert_replicas_bitwise(model, "new storage")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_joined_rank_is_a_clear_error_not_a_hang():
+    """Every rank owns part of the state, so no rank may sit out a step: while one rank is
+    joined, the reduce-scatter is refused on the others with the engine's join message."""
+    model = _model()
+    opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 model.named_parameters())
+    if mpidp.rank() == 0:
+        error = None
+        mpidp.join()
+    else:
+        x, y = _data(steps=1)[0][0]
+        F.cross_entropy(model(x), y).backward()
+        try:
+            opt.step()
+            error = None
+        except mpidp.CollectiveError as exc:
+            error = str(exc)
+        mpidp.join()
+    errors = gather(error)
+    ok = all(e is not None and "join" in e for e in errors[1:])
+    assert_all(ok, f"errors {errors}")
