@@ -19,6 +19,7 @@ import torch
 from . import functions, grad_norm, ops, runtime, sharded_state
 from .buckets import make_buckets
 from .optimizer import DistributedOptimizer
+from .pack_pool import PackPool
 from .ops import Average
 from .process_sets import member_of
 from .shard_layout import Layout
@@ -82,7 +83,7 @@ class ShardedOptimizer(DistributedOptimizer):
                         for lay, home in zip(self._layouts, self._homes)]
         self._flats = [None] * len(self._buckets)  # stage 1: persistent gradient buffers
         self._views = [None] * len(self._buckets)  # stage 1: each parameter's .grad in it
-        self._sent = [None] * len(self._buckets)   # stage 2: the packed gradients in flight
+        self._pool = PackPool(self._layouts, [b.params[0] for b in self._buckets])  # stage 2
         for gi, group in enumerate(groups):
             group["params"] = [s for s, b in zip(self._shards, self._buckets)
                                if group_of[b.params[0]] == gi]
@@ -124,13 +125,17 @@ class ShardedOptimizer(DistributedOptimizer):
                     view.copy_(g)
                 p.grad = view
         else:
-            flat = layout.pack(grads, torch.empty(layout.padded, dtype=first.dtype,
-                                                  device=first.device))
+            flat = layout.pack(grads, self._pool.take(i, first, layout.padded, self._collect))
             for p in bucket.params:
                 p.grad = None
-            self._sent[i] = flat
         bucket.handle = ops.reducescatter_async(flat, name=f"mpidp.sharded.{bucket.name}",
                                                 op=Average, process_set=self._process_set)
+
+    def _collect(self, i: int) -> None:
+        """Wait for bucket i's reduce-scatter: its chunk's averaged gradient."""
+        bucket = self._buckets[i]
+        handle, bucket.handle = bucket.handle, None
+        self._shards[i].grad = ops.synchronize(handle)
 
     def synchronize(self) -> None:
         """Submit what the hooks have not (zeros for parameters without a gradient), then wait
@@ -147,13 +152,13 @@ class ShardedOptimizer(DistributedOptimizer):
         if self._frozen:
             self._warn_unfrozen()
         try:
-            for shard, bucket in zip(self._shards, self._buckets):
-                handle, bucket.handle = bucket.handle, None
-                shard.grad = ops.synchronize(handle)
+            for i, bucket in enumerate(self._buckets):
+                if bucket.handle is not None:
+                    self._collect(i)
         finally:
             for bucket in self._buckets:
                 bucket.handle, bucket.ready, bucket.submitted = None, 0, False
-            self._sent = [None] * len(self._buckets)
+            self._pool.release_all()
             self._passes.clear()
         self._reduced = True
         self._synchronized = True

@@ -372,3 +372,23 @@ def test_a_joined_rank_is_a_clear_error_not_a_hang():
     errors = gather(error)
     ok = all(e is not None and "join" in e for e in errors[1:])
     assert_all(ok, f"errors {errors}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", [1, 2])
+def test_small_buckets_reuse_the_pack_buffers_and_give_the_same_parameters(stage):
+    """With a tiny bucket cap there are more buckets than stage 2's pack buffers, so packing a
+    bucket waits for an earlier bucket's reduce-scatter and reuses its buffer."""
+    try:
+        run_all(lambda: (mpidp.shutdown(), mpidp.init(bucket_bytes=200)))
+        model, opt, ref, ref_opt = _pair("adam", stage)
+        assert_all(len(opt._buckets) > 4, f"{len(opt._buckets)} buckets")
+        data = _data(steps=3)
+        _train(model, opt, data)
+        _train(ref, ref_opt, data)
+        made = sum(opt._pool.made.values())
+    finally:
+        run_all(lambda: (mpidp.shutdown(), mpidp.init()))
+    err = _deviation(model, ref)
+    assert_all(err == 0.0 if mpidp.size() <= 2 else err < 1e-12, f"max deviation {err}")
+    assert_all(made == (2 if stage == 2 else 0), f"{made} pack buffers made")
