@@ -55,9 +55,13 @@ class Layout:
         """Move every parameter's values into `flat` (padded length; padding zeroed) and make
         the parameter a view of its place there (same Parameter object, new storage)."""
         with torch.no_grad():
-            self.pack([p.detach() for p in self.params], flat)
+            # One parameter at a time, so that its old storage is freed before the next copy:
+            # the move never holds two copies of the bucket.
             for p, view in zip(self.params, self.split(flat)):
-                p.data = view
+                if p.data_ptr() != view.data_ptr():
+                    view.copy_(p.detach())
+                    p.data = view
+            flat[self.total:].zero_()
 
     def homed(self, flat: torch.Tensor) -> bool:
         """Whether every parameter is still the view home() made (not given new storage)."""
