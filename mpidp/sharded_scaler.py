@@ -21,6 +21,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """
 
     def unscale_(self, optimizer) -> None:
+        """GradScaler.unscale_, after the optimizer's reduction, with the inf/NaN flag agreed
+        over its process set. Synchronization: the reduction, then one scalar allreduce."""
         if not self._enabled:
             return
         if getattr(optimizer, "is_sharded", False):
