@@ -107,9 +107,7 @@ class AdasumOptimizer(DistributedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for bucket in self._buckets:
-            if not bucket.submitted:
-                self._submit(bucket)
+        self._submit_rest()
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None
@@ -120,10 +118,7 @@ class AdasumOptimizer(DistributedOptimizer):
                         start.add_(self._compression.decompress(wire, ctx))
                         p.copy_(start)
         finally:
-            for bucket in self._buckets:
-                bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
-                bucket.submitted, bucket.dense, bucket.sparse = False, [], []
-            self._passes.clear()
+            self._end_step()
         return loss
 
 

@@ -90,8 +90,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def _parameter_names(self) -> Dict[torch.nn.Parameter, str]:
-        """Parameter -> the name its gradient is reduced under: the map Horovod's optimizer
-        keeps under this name, which some scripts read."""
+        """Parameter -> the name its gradient is reduced under (Horovod's map; scripts read it)."""
         return self._names
 
     def __getattr__(self, name):
@@ -134,7 +133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             warnings.warn(f"DistributedOptimizer: parameters {late[:5]} had requires_grad=False "
                           f"when the optimizer was wrapped and have a gradient now; it is not "
                           f"averaged across ranks. Wrap the optimizer after unfreezing them",
-                          UserWarning, stacklevel=3)
+                          UserWarning, stacklevel=4)
             self._frozen = []  # once
 
     def _in_flight(self) -> bool:
@@ -231,15 +230,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
-        parameters that got no gradient on this rank).
-
-        Synchronization: blocks until every rank has submitted the same buckets.
-        """
-        for bucket in self._buckets:
-            if not bucket.submitted:
-                self._submit(bucket)
-        if self._frozen:
-            self._warn_unfrozen()
+        parameters without a gradient). Synchronization: blocks until every rank has
+        submitted the same buckets."""
+        self._submit_rest()
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None
@@ -251,11 +244,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for p, sparse_handle in bucket.sparse:
                     p.grad = ops.synchronize(sparse_handle)
         finally:
-            for bucket in self._buckets:
-                bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
-                bucket.submitted, bucket.dense, bucket.sparse = False, [], []
-            self._passes.clear()
+            self._end_step()
         self._synchronized = True
+
+    def _submit_rest(self) -> None:
+        """Submit every bucket the hooks have not; warn of parameters unfrozen since."""
+        for bucket in self._buckets:
+            if not bucket.submitted:
+                self._submit(bucket)
+        self._warn_unfrozen()  # nothing to do once warned, or with nothing frozen
+
+    def _end_step(self) -> None:
+        """Every bucket empty and every pass count zero again: the next step may start."""
+        for bucket in self._buckets:
+            bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
+            bucket.submitted, bucket.dense, bucket.sparse = False, [], []
+        self._passes.clear()
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -146,20 +146,14 @@ class ShardedOptimizer(DistributedOptimizer):
             return super().synchronize()
         if self._reduced and not self._in_flight():
             return
-        for bucket in self._buckets:
-            if not bucket.submitted:
-                self._submit(bucket)
-        if self._frozen:
-            self._warn_unfrozen()
+        self._submit_rest()
         try:
             for i, bucket in enumerate(self._buckets):
                 if bucket.handle is not None:
                     self._collect(i)
         finally:
-            for bucket in self._buckets:
-                bucket.handle, bucket.ready, bucket.submitted = None, 0, False
+            self._end_step()
             self._pool.release_all()
-            self._passes.clear()
         self._reduced = True
         self._synchronized = True
 
