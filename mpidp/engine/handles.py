@@ -8,6 +8,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..errors import OpTimeoutError
 
 
+def _timed_out(name: str, timeout: float) -> OpTimeoutError:
+    return OpTimeoutError(
+        f"op {name!r} did not complete within {timeout:g} s and is still pending; call "
+        f"synchronize() again, and check the other ranks (see mpidp's stall warning in the log)")
+
+
 class Handle:
     """Completion of one op; the engine calls `set_result` or `set_error` once.
 
@@ -43,10 +49,7 @@ class Handle:
         """Block until completed; raise its error (a fresh copy per waiter) or OpTimeoutError."""
         if not self._done:
             if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                raise OpTimeoutError(
-                    f"op {self.name!r} did not complete within {timeout:g} s and is still "
-                    f"pending; call synchronize() again, and check the other ranks (see mpidp's "
-                    f"stall warning in the log)")
+                raise _timed_out(self.name, timeout)
             self._lock.release()  # let any other waiter through too
         if self._error is not None:
             raise type(self._error)(*self._error.args)
@@ -86,15 +89,20 @@ class HandleTable:
         """Results of every member passed through the op's finish; the handle is then spent."""
         members, finish, _ = self._get(hid)
         deadline = None if timeout is None else time.monotonic() + timeout
+        results = []
         try:
-            results = [h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                       for h in members]
+            for h in members:
+                try:
+                    results.append(h.wait(None if deadline is None
+                                          else max(0.0, deadline - time.monotonic())))
+                except OpTimeoutError:
+                    # The engine may complete the member between the timed-out wait and this
+                    # check; then the op is done and the handle is spent as usual.
+                    if not h.done():
+                        raise _timed_out(h.name, timeout) from None
+                    results.append(h.wait(0))
         except OpTimeoutError:
-            late = next(h.name for h in members if not h.done())
-            raise OpTimeoutError(
-                f"op {late!r} did not complete within {timeout:g} s and is still "
-                f"pending; call synchronize() again, and check the other ranks (see mpidp's "
-                f"stall warning in the log)") from None
+            raise
         except BaseException:
             self._ops.pop(hid, None)
             raise

@@ -151,3 +151,36 @@ def test_finish_receives_results_in_member_order():
         h.set_result(i * 10)
     hid = table.register(hs, lambda r: r)
     assert table.wait(hid) == [0, 10, 20, 30]
+
+
+class _CompletesAsItTimesOut(Handle):
+    """A member the engine completes just after its waiter's timeout ran out."""
+
+    __slots__ = ()
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.done():
+            self.set_result("late")
+            raise OpTimeoutError("timed out")
+        return super().wait(timeout)
+
+
+def test_grouped_wait_with_member_completed_right_after_its_timeout_returns_results():
+    table = HandleTable()
+    first, second = Handle("g.0"), _CompletesAsItTimesOut("g.1")
+    first.set_result("early")
+    hid = table.register([first, second], lambda results: results)
+    assert table.wait(hid, timeout=0.01) == ["early", "late"]
+    with pytest.raises(ValueError, match="unknown"):
+        table.poll(hid)
+
+
+def test_grouped_wait_timeout_names_the_late_member_and_keeps_the_handle():
+    table = HandleTable()
+    first, second = Handle("g.0"), Handle("g.1")
+    first.set_result(1)
+    hid = table.register([first, second], lambda results: results)
+    with pytest.raises(OpTimeoutError, match="'g.1'.*within 0.01 s"):
+        table.wait(hid, timeout=0.01)
+    second.set_result(2)
+    assert table.wait(hid, timeout=0.01) == [1, 2]
