@@ -3,6 +3,7 @@
 import pytest
 
 import mpidp
+from devices import DEVICE_PARAMS, use_device
 from mpi_util import assert_all, gather, raises_all, run_all  # noqa: F401 (re-exported helpers)
 
 
@@ -44,3 +45,10 @@ def _unnamed_counter():
 def shared_dir(tmp_path):
     """Rank 0's temporary directory, on every rank (each rank's own tmp_path differs)."""
     return gather(str(tmp_path))[0]
+
+
+@pytest.fixture(params=DEVICE_PARAMS)
+def device(request):
+    """The tensors' device: a test taking this fixture runs on cpu, then on cuda where a GPU is
+    present and the engine's CUDA path serves this many ranks per GPU (devices.py)."""
+    return use_device(request.param)

@@ -98,6 +98,9 @@ def tensor_diff(actual, expected, exact: bool = None) -> str:
         return f"dtype {actual.dtype}, expected {expected.dtype}"
     if tuple(actual.shape) != tuple(expected.shape):
         return f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    if actual.device != expected.device:
+        return f"on {actual.device}, expected on {expected.device}"
+    actual, expected = actual.cpu(), expected.cpu()
     if exact is None:
         exact = not expected.is_floating_point()
     if exact:

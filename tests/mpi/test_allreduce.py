@@ -93,15 +93,15 @@ def _all_forms(x, expected, name, **kwargs):
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", OPS, ids=op_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_allreduce_dtype_op(dtype, op):
-    name = f"test_allreduce_dtype_op.{dtype_id(dtype)}.{op_id(op)}"
-    x = make_input(rank(), dtype, op)
+def test_allreduce_dtype_op(dtype, op, device):
+    name = f"test_allreduce_dtype_op.{dtype_id(dtype)}.{op_id(op)}.{device.type}"
+    x = make_input(rank(), dtype, op).to(device)
     if dtype == torch.bool and op == mpidp.Average:
         raises_all(TypeError, mpidp.allreduce, x, op=op, name=name, match="bool")
         raises_all(TypeError, mpidp.allreduce_async_, x.clone(), op=op, name=name,
                    match="Average")
         return
-    expected = reference(dtype, op, size())
+    expected = reference(dtype, op, size()).to(device)
     problems = run_all(_all_forms, x, expected, name, op=op)
     assert_all(not problems, "; ".join(problems))
 
@@ -109,11 +109,11 @@ def test_allreduce_dtype_op(dtype, op):
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", OPS, ids=op_id)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_allreduce_prescale_postscale(dtype, op):
-    name = f"test_allreduce_prescale_postscale.{dtype_id(dtype)}.{op_id(op)}"
+def test_allreduce_prescale_postscale(dtype, op, device):
+    name = f"test_allreduce_prescale_postscale.{dtype_id(dtype)}.{op_id(op)}.{device.type}"
     pre, post = 0.5, 3.0
-    x = make_input(rank(), dtype, op)
-    expected = reference(dtype, op, size(), pre, post)
+    x = make_input(rank(), dtype, op).to(device)
+    expected = reference(dtype, op, size(), pre, post).to(device)
     problems = run_all(_all_forms, x, expected, name, op=op, prescale_factor=pre,
                        postscale_factor=post)
     assert_all(not problems, "; ".join(problems))
@@ -122,15 +122,16 @@ def test_allreduce_prescale_postscale(dtype, op):
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", [mpidp.Sum, mpidp.Average], ids=op_id)
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64], ids=dtype_id)
-def test_integer_scale_factors_follow_horovods_rule(dtype, op):
+def test_integer_scale_factors_follow_horovods_rule(dtype, op, device):
     """Integers take scale factors as in Horovod: times the double factor, cast back
     (truncated toward zero), before the sum (prescale) and after it (postscale, with 1/size
     folded in for Average)."""
-    name = f"test_integer_scale_factors_follow_horovods_rule.{dtype_id(dtype)}.{op_id(op)}"
+    name = (f"test_integer_scale_factors_follow_horovods_rule.{dtype_id(dtype)}.{op_id(op)}."
+            f"{device.type}")
     pre, post, n = 1.5, 0.75, size()
-    x = make_input(rank(), dtype, op)
+    x = make_input(rank(), dtype, op).to(device)
     total = sum((make_input(r, dtype, op).double() * pre).trunc() for r in range(n))
-    expected = (total * (post / n if op == mpidp.Average else post)).trunc().to(dtype)
+    expected = (total * (post / n if op == mpidp.Average else post)).trunc().to(dtype).to(device)
     problems = run_all(_all_forms, x, expected, name, op=op, prescale_factor=pre,
                        postscale_factor=post)
     assert_all(not problems, "; ".join(problems))
@@ -164,12 +165,12 @@ def test_allreduce_default_op_is_average_and_average_kwarg():
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32],
                          ids=dtype_id)
-def test_allreduce_large_tensor_chunked(dtype):
+def test_allreduce_large_tensor_chunked(dtype, device):
     """A tensor above the fusion size and the 4 MiB chunk size: reduced alone, in chunks."""
-    name = f"test_allreduce_large_tensor_chunked.{dtype_id(dtype)}"
+    name = f"test_allreduce_large_tensor_chunked.{dtype_id(dtype)}.{device.type}"
     n_elems = (4 * 1024 * 1024) // 4 + 12345  # > chunk_bytes for 4-byte dtypes
     r, n = rank(), size()
-    base = torch.arange(n_elems, dtype=torch.int64) % 11
+    base = torch.arange(n_elems, dtype=torch.int64, device=device) % 11
     x = (base + r).to(dtype)
     expected = (base * n + n * (n - 1) // 2).to(dtype)
 
@@ -187,29 +188,31 @@ def test_allreduce_large_tensor_chunked(dtype):
 
 
 @pytest.mark.mpi
-def test_allreduce_scalar_and_empty():
-    name = "test_allreduce_scalar_and_empty"
+def test_allreduce_scalar_and_empty(device):
+    name = f"test_allreduce_scalar_and_empty.{device.type}"
     r, n = rank(), size()
 
     def body():
-        s = mpidp.allreduce(torch.tensor(float(r)), op=mpidp.Sum, name=f"{name}.scalar")
-        e = mpidp.allreduce(torch.empty(0, 3), op=mpidp.Sum, name=f"{name}.empty")
+        s = mpidp.allreduce(torch.tensor(float(r), device=device), op=mpidp.Sum,
+                            name=f"{name}.scalar")
+        e = mpidp.allreduce(torch.empty(0, 3, device=device), op=mpidp.Sum, name=f"{name}.empty")
         return s, e
 
     s, e = run_all(body)
-    problems = [d for d in (tensor_diff(s, torch.tensor(float(n * (n - 1) // 2))),
-                            tensor_diff(e, torch.empty(0, 3))) if d]
+    problems = [d for d in (tensor_diff(s, torch.tensor(float(n * (n - 1) // 2), device=device)),
+                            tensor_diff(e, torch.empty(0, 3, device=device))) if d]
     assert_all(not problems, "; ".join(problems))
 
 
 @pytest.mark.mpi
-def test_grouped_allreduce_all_forms():
-    name = "test_grouped_allreduce_all_forms"
+def test_grouped_allreduce_all_forms(device):
+    name = f"test_grouped_allreduce_all_forms.{device.type}"
     r, n = rank(), size()
     dtypes = [torch.float32, torch.int32, torch.float64, torch.bfloat16, torch.uint8]
     shapes = [(3,), (2, 2), (), (5,), (1, 4)]
-    xs = [make_input(r, d, mpidp.Sum, s if s else (1,)).reshape(s) for d, s in zip(dtypes, shapes)]
-    expected = [reference(d, mpidp.Sum, n, shape=s if s else (1,)).reshape(s)
+    xs = [make_input(r, d, mpidp.Sum, s if s else (1,)).reshape(s).to(device)
+          for d, s in zip(dtypes, shapes)]
+    expected = [reference(d, mpidp.Sum, n, shape=s if s else (1,)).reshape(s).to(device)
                 for d, s in zip(dtypes, shapes)]
     originals = [x.clone() for x in xs]
 
@@ -244,13 +247,13 @@ def test_grouped_allreduce_all_forms():
 
 
 @pytest.mark.mpi
-def test_grouped_allreduce_average_and_scale():
-    name = "test_grouped_allreduce_average_and_scale"
+def test_grouped_allreduce_average_and_scale(device):
+    name = f"test_grouped_allreduce_average_and_scale.{device.type}"
     n = size()
-    xs = [make_input(rank(), torch.float32, mpidp.Average, (4,)),
-          make_input(rank(), torch.float64, mpidp.Average, (2, 2))]
-    exp = [reference(torch.float32, mpidp.Average, n, 2.0, 0.25, (4,)),
-           reference(torch.float64, mpidp.Average, n, 2.0, 0.25, (2, 2))]
+    xs = [make_input(rank(), torch.float32, mpidp.Average, (4,)).to(device),
+          make_input(rank(), torch.float64, mpidp.Average, (2, 2)).to(device)]
+    exp = [reference(torch.float32, mpidp.Average, n, 2.0, 0.25, (4,)).to(device),
+           reference(torch.float64, mpidp.Average, n, 2.0, 0.25, (2, 2)).to(device)]
     outs = run_all(mpidp.grouped_allreduce, xs, name=name, prescale_factor=2.0,
                    postscale_factor=0.25)
     problems = [d for d in (tensor_diff(o, e) for o, e in zip(outs, exp)) if d]

@@ -19,7 +19,11 @@ def problems_of(pairs):
     return out
 
 
-def check(pairs, extra=()):
+def check(pairs, extra=(), device=None):
+    """Fail every rank unless each actual equals its expected value (taken to `device` first:
+    results must come back on the inputs' device)."""
+    if device is not None:
+        pairs = [(what, actual, expected.to(device)) for what, actual, expected in pairs]
     problems = problems_of(pairs) + list(extra)
     assert_all(not problems, "; ".join(problems))
 
@@ -35,10 +39,10 @@ def gather_input(r: int, dtype, rows=None) -> torch.Tensor:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_allgather_uneven_first_dim(dtype):
-    name = f"test_allgather_uneven_first_dim.{dtype_id(dtype)}"
+def test_allgather_uneven_first_dim(dtype, device):
+    name = f"test_allgather_uneven_first_dim.{dtype_id(dtype)}.{device.type}"
     r, n = rank(), size()
-    x = gather_input(r, dtype)
+    x = gather_input(r, dtype).to(device)
     orig = x.clone()
     expected = torch.cat([gather_input(k, dtype) for k in range(n)])
 
@@ -49,7 +53,8 @@ def test_allgather_uneven_first_dim(dtype):
 
     out, out_async = run_all(body)
     extra = [] if torch.equal(x, orig) else ["allgather modified its input"]
-    check([("allgather", out, expected), ("allgather_async", out_async, expected)], extra)
+    check([("allgather", out, expected), ("allgather_async", out_async, expected)], extra,
+          device)
 
 
 @pytest.mark.mpi
@@ -88,11 +93,12 @@ def test_allgather_same_name_twice_with_changing_first_dim():
 
 
 @pytest.mark.mpi
-def test_grouped_allgather():
-    name = "test_grouped_allgather"
+def test_grouped_allgather(device):
+    name = f"test_grouped_allgather.{device.type}"
     r, n = rank(), size()
-    xs = [gather_input(r, torch.float32), cast(torch.full((2, 4), r), torch.int64),
-          cast(torch.tensor(r), torch.bfloat16)]
+    xs = [t.to(device) for t in (gather_input(r, torch.float32),
+                                 cast(torch.full((2, 4), r), torch.int64),
+                                 cast(torch.tensor(r), torch.bfloat16))]
     expected = [torch.cat([gather_input(k, torch.float32) for k in range(n)]),
                 torch.cat([torch.full((2, 4), k, dtype=torch.int64) for k in range(n)]),
                 torch.arange(n).to(torch.bfloat16)]
@@ -108,7 +114,7 @@ def test_grouped_allgather():
              if not isinstance(o, list) or len(o) != 3]
     check([(f"grouped_allgather[{i}]", o, e) for i, (o, e) in enumerate(zip(outs, expected))]
           + [(f"grouped_allgather_async[{i}]", o, e)
-             for i, (o, e) in enumerate(zip(outs_async, expected))], extra)
+             for i, (o, e) in enumerate(zip(outs_async, expected))], extra, device)
 
 
 # ---- broadcast ----
@@ -120,10 +126,10 @@ def bcast_input(r: int, dtype) -> torch.Tensor:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_broadcast_every_root(dtype):
-    name = f"test_broadcast_every_root.{dtype_id(dtype)}"
+def test_broadcast_every_root(dtype, device):
+    name = f"test_broadcast_every_root.{dtype_id(dtype)}.{device.type}"
     r, n = rank(), size()
-    x = bcast_input(r, dtype)
+    x = bcast_input(r, dtype).to(device)
     orig = x.clone()
 
     def body():
@@ -152,7 +158,7 @@ def test_broadcast_every_root(dtype):
             extra.append(f"root {root}: in-place broadcast did not return the input's storage")
     if not torch.equal(x, orig):
         extra.append("out-of-place broadcast modified its input")
-    check(pairs, extra)
+    check(pairs, extra, device)
 
 
 @pytest.mark.mpi
@@ -198,10 +204,10 @@ def a2a_split_expected(r: int, n: int, dtype):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_alltoall_even(dtype):
-    name = f"test_alltoall_even.{dtype_id(dtype)}"
+def test_alltoall_even(dtype, device):
+    name = f"test_alltoall_even.{dtype_id(dtype)}.{device.type}"
     r, n = rank(), size()
-    x = a2a_even_input(r, n, dtype)
+    x = a2a_even_input(r, n, dtype).to(device)
     orig = x.clone()
     expected = cast(torch.tensor([[code(j, r, k)] * 3 for j in range(n) for k in range(2)]),
                     dtype)
@@ -213,25 +219,27 @@ def test_alltoall_even(dtype):
 
     out, out_async = run_all(body)
     extra = [] if torch.equal(x, orig) else ["alltoall modified its input"]
-    check([("alltoall", out, expected), ("alltoall_async", out_async, expected)], extra)
+    check([("alltoall", out, expected), ("alltoall_async", out_async, expected)], extra,
+          device)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_alltoall_with_splits(dtype):
-    name = f"test_alltoall_with_splits.{dtype_id(dtype)}"
+def test_alltoall_with_splits(dtype, device):
+    name = f"test_alltoall_with_splits.{dtype_id(dtype)}.{device.type}"
     r, n = rank(), size()
     splits = a2a_splits(r, n)
     exp_out, exp_splits = a2a_split_expected(r, n, dtype)
 
     def body():
         results = {}
-        x = a2a_split_input(r, n, dtype)
+        x = a2a_split_input(r, n, dtype).to(device)
         results["list splits"] = mpidp.alltoall(x, splits=splits, name=f"{name}.list")
         results["int32 tensor splits"] = mpidp.alltoall(
             x, splits=torch.tensor(splits, dtype=torch.int32), name=f"{name}.t32")
         results["numpy splits, spare rows"] = mpidp.alltoall(
-            a2a_split_input(r, n, dtype, spare=2), splits=np.array(splits, dtype=np.int64),
+            a2a_split_input(r, n, dtype, spare=2).to(device),
+            splits=np.array(splits, dtype=np.int64),
             name=f"{name}.np")
         results["async, int64 tensor splits"] = mpidp.synchronize(mpidp.alltoall_async(
             x, splits=torch.tensor(splits), name=f"{name}.async"))
@@ -247,7 +255,7 @@ def test_alltoall_with_splits(dtype):
         if not isinstance(got_splits, torch.Tensor) or got_splits.tolist() != exp_splits.tolist():
             extra.append(f"{what}: received splits {got_splits!r}, expected "
                          f"{exp_splits.tolist()}")
-    check(pairs, extra)
+    check(pairs, extra, device)
 
 
 @pytest.mark.mpi
@@ -293,32 +301,32 @@ RS_OPS = [mpidp.Average, mpidp.Sum]
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", RS_OPS, ids=lambda op: op.name.lower())
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_reducescatter(dtype, op):
-    name = f"test_reducescatter.{dtype_id(dtype)}.{op.name.lower()}"
+def test_reducescatter(dtype, op, device):
+    name = f"test_reducescatter.{dtype_id(dtype)}.{op.name.lower()}.{device.type}"
     r, n = rank(), size()
     even, uneven = 2 * n, 2 * n + 1  # uneven: rank 0 gets one extra row (dim0 % n == 1)
     if n > 2:
         uneven = 2 * n + n - 1  # the first n-1 ranks get an extra row
     if dtype == torch.bool and op == mpidp.Average:
-        raises_all(TypeError, mpidp.reducescatter, rs_input(r, dtype, even), name=name, op=op,
-                   match="bool")
+        raises_all(TypeError, mpidp.reducescatter, rs_input(r, dtype, even).to(device),
+                   name=name, op=op, match="bool")
         return
 
     def body():
         results = {}
         for label, dim0 in (("even", even), ("uneven", uneven), ("fewer rows than ranks", 1)):
-            x = rs_input(r, dtype, dim0)
+            x = rs_input(r, dtype, dim0).to(device)
             orig = x.clone()
             results[label] = (mpidp.reducescatter(x, name=f"{name}.{label}", op=op),
                               rs_expected(r, n, dtype, op, dim0), torch.equal(x, orig))
-        x = rs_input(r, dtype, uneven)
+        x = rs_input(r, dtype, uneven).to(device)
         results["async"] = (mpidp.synchronize(mpidp.reducescatter_async(
             x, name=f"{name}.async", op=op)), rs_expected(r, n, dtype, op, uneven), True)
         return results
 
     results = run_all(body)
     extra = [f"{label}: input modified" for label, (_, _, same) in results.items() if not same]
-    check([(label, got, want) for label, (got, want, _) in results.items()], extra)
+    check([(label, got, want) for label, (got, want, _) in results.items()], extra, device)
 
 
 @pytest.mark.mpi
@@ -349,11 +357,11 @@ def test_reducescatter_default_op_is_average():
 
 
 @pytest.mark.mpi
-def test_grouped_reducescatter():
-    name = "test_grouped_reducescatter"
+def test_grouped_reducescatter(device):
+    name = f"test_grouped_reducescatter.{device.type}"
     r, n = rank(), size()
     specs = [(torch.float32, 2 * n + 1), (torch.int32, n), (torch.float64, 1)]
-    xs = [rs_input(r, d, dim0) for d, dim0 in specs]
+    xs = [rs_input(r, d, dim0).to(device) for d, dim0 in specs]
 
     def body():
         sums = mpidp.grouped_reducescatter(xs, name=f"{name}.sum", op=mpidp.Sum)
@@ -367,31 +375,33 @@ def test_grouped_reducescatter():
            for i, (o, (d, dim0)) in enumerate(zip(sums, specs))]
           + [(f"grouped_reducescatter_async Average[{i}]", o,
               rs_expected(r, n, d, mpidp.Average, dim0))
-             for i, (o, (d, dim0)) in enumerate(zip(avgs, specs))], extra)
+             for i, (o, (d, dim0)) in enumerate(zip(avgs, specs))], extra, device)
 
 
 # ---- edge cases shared by several ops ----
 
 @pytest.mark.mpi
-def test_empty_tensors():
-    name = "test_empty_tensors"
+def test_empty_tensors(device):
+    name = f"test_empty_tensors.{device.type}"
+
+    def empty(*shape):
+        return torch.empty(*shape, device=device)
 
     def body():
         return {
-            "broadcast": mpidp.broadcast(torch.empty(0, 3), 0, name=f"{name}.bc"),
-            "allgather": mpidp.allgather(torch.empty(0, 3), name=f"{name}.ag"),
-            "reducescatter": mpidp.reducescatter(torch.empty(0, 3), op=mpidp.Sum,
-                                                 name=f"{name}.rs"),
-            "alltoall": mpidp.alltoall(torch.empty(0, 3), name=f"{name}.a2a"),
-            "grouped_allreduce": mpidp.grouped_allreduce([torch.empty(0), torch.ones(1)],
-                                                         op=mpidp.Sum, name=f"{name}.g")[0],
+            "broadcast": mpidp.broadcast(empty(0, 3), 0, name=f"{name}.bc"),
+            "allgather": mpidp.allgather(empty(0, 3), name=f"{name}.ag"),
+            "reducescatter": mpidp.reducescatter(empty(0, 3), op=mpidp.Sum, name=f"{name}.rs"),
+            "alltoall": mpidp.alltoall(empty(0, 3), name=f"{name}.a2a"),
+            "grouped_allreduce": mpidp.grouped_allreduce(
+                [empty(0), torch.ones(1, device=device)], op=mpidp.Sum, name=f"{name}.g")[0],
         }
 
     outs = run_all(body)
     want = {k: torch.empty(0, 3) for k in ("broadcast", "allgather", "reducescatter",
                                            "alltoall")}
     want["grouped_allreduce"] = torch.empty(0)
-    check([(k, outs[k], v) for k, v in want.items()])
+    check([(k, outs[k], v) for k, v in want.items()], device=device)
 
 
 @pytest.mark.mpi
