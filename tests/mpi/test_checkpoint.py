@@ -25,10 +25,11 @@ def _model(seed):
 
 def _train(model, opt, steps, seed):
     gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     model.train()
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randn(8, 5, generator=gen)).square().mean().backward()
+        model(torch.randn(8, 5, generator=gen).to(device)).square().mean().backward()
         opt.step()
 
 
@@ -45,7 +46,12 @@ def _seed_all(seed):
 
 
 def _same_state(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a) and set(a) == set(b)
+    return set(a) == set(b) and all(a[k].device == b[k].device and torch.equal(a[k], b[k])
+                                    for k in a)
+
+
+def _cpu_state(model):
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def test_round_trip_model_optimizer_values_sampler_and_rng(shared_dir):
@@ -88,14 +94,15 @@ def test_round_trip_model_optimizer_values_sampler_and_rng(shared_dir):
     assert_all(ok, "Adam state differs from rank 0's")
 
 
-def test_distributed_optimizer_round_trip(shared_dir):
-    path = os.path.join(shared_dir, "dist.pt")
-    model = _model(seed=0)
+def test_distributed_optimizer_round_trip(shared_dir, device):
+    """A model and optimizer on `device` saved and loaded into fresh ones on that device."""
+    path = os.path.join(shared_dir, f"dist.{device.type}.pt")
+    model = _model(seed=0).to(device)
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                      named_parameters=model.named_parameters())
     _train(model, opt, 2, seed=mpidp.rank())
     run_all(checkpoint.save, path, model=model, optimizer=opt)
-    fresh = _model(seed=1)
+    fresh = _model(seed=1).to(device)
     fresh_opt = mpidp.DistributedOptimizer(
         torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9),
         named_parameters=fresh.named_parameters())
@@ -104,9 +111,12 @@ def test_distributed_optimizer_round_trip(shared_dir):
     # do not (each rank saw its own data), and the loaded ones must be rank 0's.
     bufs = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
     want = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
-    assert_all(all(torch.equal(a, b) for a, b in zip(bufs, want)), "momentum differs")
-    rank0 = gather({k: v.clone() for k, v in model.state_dict().items()})[0]
-    assert_all(_same_state(fresh.state_dict(), rank0), "model is not rank 0's")
+    assert_all(all(a.device == device and torch.equal(a, b) for a, b in zip(bufs, want)),
+               "momentum differs, or is not on the model's device")
+    rank0 = gather(_cpu_state(model))[0]
+    on_device = all(v.device == device for v in fresh.state_dict().values())
+    assert_all(on_device and _same_state(_cpu_state(fresh), rank0),
+               "model is not rank 0's, or is not on its device")
 
 
 def test_missing_file_fails_every_rank(shared_dir):

@@ -63,19 +63,22 @@ def test_join_uneven_allreduces_then_normal_ops():
 
 
 @pytest.mark.mpi
-def test_join_with_fused_async_batches_of_mixed_dtypes():
-    """Joined ranks contribute zeros to fused and widened (bfloat16) allreduces too."""
-    name = "test_join_with_fused_async_batches_of_mixed_dtypes"
+def test_join_with_fused_async_batches_of_mixed_dtypes(device):
+    """Joined ranks contribute zeros to fused and widened (bfloat16) allreduces too, made on
+    the device of the others' tensors."""
+    name = f"test_join_with_fused_async_batches_of_mixed_dtypes.{device.type}"
     r, n = rank(), size()
     dtypes = [torch.float32, torch.bfloat16, torch.int32, torch.float64]
 
     def body():
         results = []
         for k in range(r + 1):
-            hs = [mpidp.allreduce_async(torch.full((j + 2,), 2).to(d), op=mpidp.Sum,
-                                        name=f"{name}.{k}.{j}") for j, d in enumerate(dtypes)]
-            hs.append(mpidp.grouped_allreduce_async([torch.ones(2), torch.ones(3)],
-                                                    op=mpidp.Sum, name=f"{name}.{k}.g"))
+            hs = [mpidp.allreduce_async(torch.full((j + 2,), 2, device=device).to(d),
+                                        op=mpidp.Sum, name=f"{name}.{k}.{j}")
+                  for j, d in enumerate(dtypes)]
+            hs.append(mpidp.grouped_allreduce_async(
+                [torch.ones(2, device=device), torch.ones(3, device=device)], op=mpidp.Sum,
+                name=f"{name}.{k}.g"))
             results.append([mpidp.synchronize(h) for h in hs])
         if r == n - 1:
             time.sleep(0.4)
@@ -85,7 +88,7 @@ def test_join_with_fused_async_batches_of_mixed_dtypes():
     problems = [] if last == n - 1 else [f"join() returned {last}"]
     for k, outs in enumerate(results):
         for j, d in enumerate(dtypes):
-            diff = tensor_diff(outs[j], torch.full((j + 2,), 2 * (n - k)).to(d))
+            diff = tensor_diff(outs[j], torch.full((j + 2,), 2 * (n - k), device=device).to(d))
             if diff:
                 problems.append(f"step {k} {d}: {diff}")
         g = outs[-1]

@@ -16,9 +16,9 @@ from mpi_util import assert_all, gather, raises_all, run_all
 SHARD = 4  # rows per rank per micro-batch
 
 
-def _model(seed=0):
+def _model(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double().to(device)
 
 
 def _data(steps, micro, seed=1):
@@ -35,7 +35,7 @@ def _shard(x):
 
 
 def _checksum(model):
-    return [zlib.crc32(p.detach().numpy().tobytes()) for p in model.parameters()]
+    return [zlib.crc32(p.detach().cpu().numpy().tobytes()) for p in model.parameters()]
 
 
 def _assert_replicas_bitwise(model, what):
@@ -57,13 +57,14 @@ OPTIMIZERS = {
 @pytest.mark.mpi
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_shards_equal_single_process_on_whole_batch(kind, passes):
-    model, ref = _model(), _model()
+def test_shards_equal_single_process_on_whole_batch(kind, passes, device):
+    model, ref = _model(device=device), _model(device=device)
     opt = mpidp.DistributedOptimizer(OPTIMIZERS[kind](model.parameters()),
                                      named_parameters=model.named_parameters(),
                                      backward_passes_per_step=passes)
     ref_opt = OPTIMIZERS[kind](ref.parameters())
     for step in _data(steps=4, micro=passes):
+        step = [(x.to(device), y.to(device)) for x, y in step]
         opt.zero_grad()
         for x, y in step:
             (F.cross_entropy(model(_shard(x)), _shard(y)) / passes).backward()
@@ -79,12 +80,13 @@ def test_shards_equal_single_process_on_whole_batch(kind, passes):
 
 
 @pytest.mark.mpi
-def test_clipping_after_synchronize_clips_the_global_gradient():
-    model, ref = _model(), _model()
+def test_clipping_after_synchronize_clips_the_global_gradient(device):
+    model, ref = _model(device=device), _model(device=device)
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                      named_parameters=model.named_parameters())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for (x, y), in _data(steps=3, micro=1):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         (F.cross_entropy(model(_shard(x)), _shard(y)) * 50).backward()
         opt.synchronize()
@@ -269,13 +271,14 @@ def test_no_sync_accumulates_without_reducing_until_the_last_pass():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
-def test_compressed_gradients_are_close_and_identical_on_every_rank(compression):
-    model, ref = _model().float(), _model().float()
+def test_compressed_gradients_are_close_and_identical_on_every_rank(compression, device):
+    model, ref = _model(device=device).float(), _model(device=device).float()
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters(),
                                      compression=getattr(mpidp.Compression, compression))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for (x, y), in _data(steps=2, micro=1):
+        x, y = x.to(device), y.to(device)
         opt.zero_grad()
         F.cross_entropy(model(_shard(x).float()), _shard(y)).backward()
         run_all(opt.step)

@@ -49,15 +49,18 @@ def test_set_queries(evens_odds):
 
 
 @pytest.mark.parametrize("op", [mpidp.Sum, mpidp.Average, mpidp.Max])
-def test_allreduce_reduces_over_members_only(evens_odds, op):
+def test_allreduce_reduces_over_members_only(evens_odds, op, device):
     rank, size = _world()
     mine, _ = _mine(*evens_odds)
-    x = torch.full((5,), float(rank + 1))
-    out = run_all(mpidp.allreduce, x, name="ps.allreduce", op=op, process_set=mine)
+    x = torch.full((5,), float(rank + 1), device=device)
+    out = run_all(mpidp.allreduce, x, name=f"ps.allreduce.{device.type}", op=op,
+                  process_set=mine)
     vals = [r + 1.0 for r in mine.ranks]
     expected = {mpidp.Sum: sum(vals), mpidp.Average: sum(vals) / len(vals),
                 mpidp.Max: max(vals)}[op]
-    assert_all(torch.allclose(out, torch.full((5,), expected)), f"{out} != {expected}")
+    assert_all(out.device == device and torch.allclose(out, torch.full((5,), expected,
+                                                                       device=device)),
+               f"{out} != {expected} on {device}")
 
 
 def test_unnamed_ops_in_sets_and_world_interleave(evens_odds):
@@ -76,21 +79,25 @@ def test_unnamed_ops_in_sets_and_world_interleave(evens_odds):
     assert_all(ok and outs[-1].tolist() == [float(size)] * 2, [o.tolist() for o in outs])
 
 
-def test_other_collectives_in_a_set(evens_odds):
+def test_other_collectives_in_a_set(evens_odds, device):
     rank, size = _world()
     mine, _ = _mine(*evens_odds)
     members = mine.ranks
     k, me = len(members), mine.rank()
+    d = device.type
+
+    def full(shape, value):
+        return torch.full(shape, value, device=device)
 
     def body():
         got = {}
-        got["allgather"] = mpidp.allgather(torch.full((me + 1, 2), float(rank)),
-                                           name="ps.ag", process_set=mine)
-        got["bcast"] = mpidp.broadcast(torch.full((3,), float(rank)), root_rank=members[-1],
-                                       name="ps.bc", process_set=mine)
-        got["alltoall"] = mpidp.alltoall(torch.full((k,), float(rank)), name="ps.a2a",
+        got["allgather"] = mpidp.allgather(full((me + 1, 2), float(rank)),
+                                           name=f"ps.ag.{d}", process_set=mine)
+        got["bcast"] = mpidp.broadcast(full((3,), float(rank)), root_rank=members[-1],
+                                       name=f"ps.bc.{d}", process_set=mine)
+        got["alltoall"] = mpidp.alltoall(full((k,), float(rank)), name=f"ps.a2a.{d}",
                                          process_set=mine)
-        got["rs"] = mpidp.reducescatter(torch.ones(k * 2, 3), op=mpidp.Sum, name="ps.rs",
+        got["rs"] = mpidp.reducescatter(full((k * 2, 3), 1.0), op=mpidp.Sum, name=f"ps.rs.{d}",
                                         process_set=mine)
         got["obj"] = mpidp.broadcast_object({"from": rank}, root_rank=members[0],
                                             process_set=mine)
@@ -98,12 +105,12 @@ def test_other_collectives_in_a_set(evens_odds):
         mpidp.barrier(process_set=mine)
         return got
     got = run_all(body)
-    expected_ag = torch.cat([torch.full((i + 1, 2), float(r)) for i, r in enumerate(members)])
+    expected_ag = torch.cat([full((i + 1, 2), float(r)) for i, r in enumerate(members)])
     checks = [
         torch.equal(got["allgather"], expected_ag),
-        torch.equal(got["bcast"], torch.full((3,), float(members[-1]))),
-        torch.equal(got["alltoall"], torch.tensor([float(r) for r in members])),
-        torch.equal(got["rs"], torch.full((2, 3), float(k))),
+        torch.equal(got["bcast"], full((3,), float(members[-1]))),
+        torch.equal(got["alltoall"], torch.tensor([float(r) for r in members], device=device)),
+        torch.equal(got["rs"], full((2, 3), float(k))),
         got["obj"] == {"from": members[0]},
         got["objs"] == members,
     ]
@@ -156,15 +163,15 @@ def test_each_set_keeps_its_own_stats(evens_odds):
     raises_all(ValueError, mpidp.stats, process_set=other, match="is not in process set")
 
 
-def test_distributed_optimizer_on_a_set(evens_odds):
+def test_distributed_optimizer_on_a_set(evens_odds, device):
     rank, size = _world()
     mine, _ = _mine(*evens_odds)
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2).to(device)
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
                                      named_parameters=model.named_parameters(),
                                      process_set=mine)
-    data = torch.full((3, 4), float(rank))
+    data = torch.full((3, 4), float(rank), device=device)
 
     def step():
         opt.zero_grad()

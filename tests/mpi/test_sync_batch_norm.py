@@ -46,7 +46,7 @@ def global_batch(seed, n, spatial, dtype=torch.float64, channels=C):
     return x.to(dtype), w.to(dtype)
 
 
-def make_pair(ndim, seed, dtype=torch.float64, **config):
+def make_pair(ndim, seed, dtype=torch.float64, device="cpu", **config):
     """(reference nn.BatchNorm, SyncBatchNorm) with the same random weight and bias."""
     ref = REFERENCE[ndim](C, **config).to(dtype)
     if ref.affine:
@@ -56,7 +56,7 @@ def make_pair(ndim, seed, dtype=torch.float64, **config):
             ref.bias.copy_(torch.randn(C, generator=g, dtype=torch.float64))
     sync = SyncBatchNorm(C, **config).to(dtype)
     sync.load_state_dict(ref.state_dict())
-    return ref, sync
+    return ref.to(device), sync.to(device)
 
 
 def forward_backward(module, x, w):
@@ -81,8 +81,8 @@ def diff(actual, expected, what, tol, exact=False):
 
 
 def summed(t):
-    """Sum over ranks, in rank order (mpi4py, independent of mpidp)."""
-    return None if t is None else sum(gather(t.detach()))
+    """Sum over ranks, in rank order (mpi4py, independent of mpidp), on t's device."""
+    return None if t is None else sum(gather(t.detach().cpu())).to(t.device)
 
 
 def compare_step(ref, sync, sizes, x, w, tol, label):
@@ -110,21 +110,22 @@ def compare_step(ref, sync, sizes, x, w, tol, label):
 @pytest.mark.mpi
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 @pytest.mark.parametrize("ndim", [2, 3, 4, 5], ids=lambda d: f"{d}d")
-def test_matches_batchnorm_on_the_whole_batch(ndim, config):
+def test_matches_batchnorm_on_the_whole_batch(ndim, config, device):
     sizes = unequal_sizes(size())
-    ref, sync = make_pair(ndim, seed=ndim, **CONFIGS[config])
+    ref, sync = make_pair(ndim, seed=ndim, device=device, **CONFIGS[config])
     for step in range(STEPS):
-        x, w = global_batch(100 * ndim + step, sum(sizes), SPATIAL[ndim])
+        x, w = (t.to(device) for t in global_batch(100 * ndim + step, sum(sizes), SPATIAL[ndim]))
         compare_step(ref, sync, sizes, x, w, 1e-10, f"step {step}")
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("ndim", [2, 4], ids=lambda d: f"{d}d")
-def test_matches_batchnorm_float32(ndim):
+def test_matches_batchnorm_float32(ndim, device):
     sizes = unequal_sizes(size())
-    ref, sync = make_pair(ndim, seed=7, dtype=torch.float32)
+    ref, sync = make_pair(ndim, seed=7, dtype=torch.float32, device=device)
     for step in range(STEPS):
-        x, w = global_batch(200 + step, sum(sizes), SPATIAL[ndim], torch.float32)
+        x, w = (t.to(device) for t in global_batch(200 + step, sum(sizes), SPATIAL[ndim],
+                                                   torch.float32))
         compare_step(ref, sync, sizes, x, w, 1e-5, f"step {step}")
 
 
