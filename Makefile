@@ -6,6 +6,11 @@
 #   make test-unit | test-mpi | test-variants | test-integration
 #   make run                 2-rank demo: mpiexec -n 2 python examples/train.py
 #   make bench               benchmarks/allreduce.py at np=2
+#   make gpu-check           on a GPU machine: what is found, the device-parametrized MPI tests on
+#                            CUDA tensors per data path at n=1 and 2, examples/train.py on cuda,
+#                            benchmarks/cuda_paths.py; one table (without a GPU: says so, exit 0).
+#                            Runs under GPU_PYTHON (default: .venv's python if there, else python3,
+#                            e.g. a GPU image's own torch), no venv needed
 #   make clean | distclean   build junk | build junk and .venv
 #
 # Overrides: NPS="2 3" (mpi-stage sizes), RUN_NP, BENCH_NP, PYTHON (interpreter that makes the venv).
@@ -32,7 +37,8 @@ export NPS
 STAMP := $(VENV)/.installed$(if $(wildcard mpidp/__init__.py),,-nopkg)
 PIP   := $(BIN)/python -m pip
 
-.PHONY: venv test test-unit test-mpi test-variants test-integration run bench clean distclean
+.PHONY: venv test test-unit test-mpi test-variants test-integration run bench gpu-check clean \
+	distclean
 
 venv: $(STAMP)
 
@@ -69,6 +75,12 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	timeout -k 30 $(BENCH_TIMEOUT) $(BIN)/mpiexec -n $(BENCH_NP) $(BIN)/python benchmarks/allreduce.py
+
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	$(GPU_PYTHON) tests/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build dist .eggs *.egg-info .pytest_cache

@@ -1,6 +1,6 @@
 """Train a small CNN on scikit-learn's handwritten digits, data-parallel over MPI with mpidp.
 
-    mpiexec -n 2 python examples/train.py [--epochs 10] [--resume]
+    mpiexec -n 2 python examples/train.py [--epochs 10] [--resume] [--device cuda]
 
 The data set ships inside scikit-learn (1,797 8x8 images), so nothing is downloaded. Each rank
 trains on its shard (DistributedSampler, reshuffled every epoch with set_epoch); gradients are
@@ -30,7 +30,23 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--checkpoint", default="out/train_digits.pt")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                        help="cuda: GPU local_rank %% count on each rank; auto: cuda if present")
     return parser.parse_args()
+
+
+def pick_device(choice):
+    """This rank's device: ranks of one host spread over its GPUs (several may share one)."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is "
+                         "false); use --device cpu")
+    device = torch.device("cuda", mpidp.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def datasets(seed):
@@ -57,12 +73,13 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def evaluate(model, loader):
+def evaluate(model, loader, device):
     """Accuracy over the whole test set: each rank counts its shard, then Sum across ranks."""
     model.eval()
-    counts = torch.zeros(2)
+    counts = torch.zeros(2, device=device)
     with torch.no_grad():
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             counts[0] += (model(x).argmax(1) == y).sum()
             counts[1] += len(y)
     counts = mpidp.allreduce(counts, op=mpidp.Sum, name="eval.counts")
@@ -75,6 +92,7 @@ def main():
     rank, size = mpidp.rank(), mpidp.size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // mpidp.local_size()))
     torch.manual_seed(args.seed)
+    device = pick_device(args.device)
 
     train_set, test_set = datasets(args.seed)
     sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
@@ -83,7 +101,7 @@ def main():
     test_loader = DataLoader(test_set, batch_size=256, sampler=DistributedSampler(
         test_set, num_replicas=size, rank=rank, shuffle=False))
 
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
 
     start_epoch = 0
@@ -99,7 +117,7 @@ def main():
     optimizer = mpidp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     if rank == 0:
-        print(f"training on {len(train_set)} digits with {size} rank(s), "
+        print(f"training on {len(train_set)} digits with {size} rank(s) on {device.type}, "
               f"{len(sampler)} samples per rank per epoch"
               + (f", resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
     for epoch in range(start_epoch, args.epochs):
@@ -108,6 +126,7 @@ def main():
         sampler.set_epoch(epoch)
         totals = torch.zeros(3)  # loss sum, correct, seen
         for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             out = model(x)
             loss = F.cross_entropy(out, y)
@@ -116,7 +135,7 @@ def main():
             totals += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(),
                                     len(y)])
         totals = mpidp.allreduce(totals, op=mpidp.Sum, name="train.totals")
-        test_acc = evaluate(model, test_loader)
+        test_acc = evaluate(model, test_loader, device)
         os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
         # Collective; rank 0 writes atomically, so a crash mid-save keeps the previous one.
         mpidp.checkpoint.save(args.checkpoint, model=model, optimizer=optimizer, epoch=epoch + 1)
@@ -125,7 +144,7 @@ def main():
                   f"train acc {totals[1] / totals[2]:.4f}  test acc {test_acc:.4f}  "
                   f"({time.perf_counter() - began:.2f} s)", flush=True)
     mpidp.check_replicas(model)
-    test_acc = evaluate(model, test_loader)
+    test_acc = evaluate(model, test_loader, device)
     if rank == 0:
         print(f"final test accuracy: {test_acc:.4f}", flush=True)
     mpidp.shutdown()
