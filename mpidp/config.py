@@ -107,6 +107,12 @@ KNOBS: Tuple[Knob, ...] = (
          "DistributedOptimizer groups gradients, in reverse order of the parameters, into "
          "buckets of at most this many bytes; a bucket is one op (one negotiation, one handle) "
          "submitted when its last gradient is ready. 0: one op per parameter.", ),
+    Knob("overlap", "MPIDP_OVERLAP", _choice("auto", "0", "1"), "auto",
+         "1: DistributedOptimizer starts a bucket's reduction during the backward pass, once its "
+         "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
+         "parameters are on the CPU and a rank's share of the host's cores is no more than "
+         "torch's threads, where overlapping slowed training steps by 5-80 % here "
+         "(BENCHMARKS.md).", must_agree=False),
     Knob("cache_capacity", "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
          "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
          horovod="HOROVOD_CACHE_CAPACITY"),

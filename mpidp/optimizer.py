@@ -7,7 +7,7 @@ from typing import Dict
 
 import torch
 
-from . import op_args, ops, runtime
+from . import op_args, ops, overlap, runtime
 from .sparse import SparseGradients, sparse_allreduce_async
 from .buckets import Bucket, group_ids, make_buckets, named
 from .process_sets import is_outside, member_of
@@ -76,6 +76,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       group_ids(self._names, num_groups, groups),
                                       runtime.state().config.bucket_bytes)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._overlap = overlap.decide(runtime.state(), trained)
         self._passes: Dict[torch.nn.Parameter, int] = {}
         self._synchronized = False
         self._should_sync = True
@@ -96,13 +97,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name):
         return getattr(self.__dict__["_opt"], name)
 
-    @property
-    def param_groups(self):
-        return self._opt.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self._opt.param_groups = value
+    param_groups = property(lambda self: self._opt.param_groups,
+                            lambda self, value: setattr(self._opt, "param_groups", value))
 
     @property
     def state(self):
@@ -137,7 +133,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._frozen = []  # once
 
     def _in_flight(self) -> bool:
-        return any(b.submitted for b in self._buckets)
+        """A step has begun: some bucket is submitted, or has gradients waiting for step()."""
+        return any(b.submitted or b.ready for b in self._buckets)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """How many backward passes accumulate before a gradient is reduced."""
@@ -168,7 +165,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if count > self._passes_per_step or bucket.submitted:
             raise self._too_many_passes(p)
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and self._overlap:
             self._submit(bucket)
 
     def _grad_of(self, p) -> torch.Tensor:

@@ -385,6 +385,41 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
 
 
 @pytest.mark.mpi
+def test_overlap_knob_decides_when_buckets_are_submitted():
+    """overlap=1 submits buckets from the backward pass, overlap=0 none before the step; the
+    trained parameters are bitwise equal, and zero_grad() between backward and step() is
+    refused either way."""
+    checksums, problems = [], []
+    try:
+        for setting in ("1", "0"):
+            run_all(_reinit, overlap=setting, bucket_bytes=64)
+            model = _model()
+            opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters())
+            (x, y), = _data(steps=1, micro=1)[0]
+            F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+            submitted = sum(b.submitted for b in opt._buckets)
+            if submitted != (len(opt._buckets) if setting == "1" else 0):
+                problems.append(f"overlap={setting}: {submitted} of {len(opt._buckets)} "
+                                f"buckets submitted during backward")
+            try:
+                opt.zero_grad()
+                problems.append(f"overlap={setting}: zero_grad() before step() was accepted")
+            except ValueError:
+                pass
+            run_all(opt.step)
+            for (x, y), in _data(steps=2, micro=1, seed=2):
+                opt.zero_grad()
+                F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+                run_all(opt.step)
+            checksums.append(_checksum(model))
+    finally:
+        run_all(_reinit)
+    assert_all(not problems and checksums[0] == checksums[1],
+               f"{problems}; checksums {checksums}")
+
+
+@pytest.mark.mpi
 def test_buckets_follow_reverse_parameter_order_and_the_cap():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))  # 80, 16, 80, ...
     try:

@@ -17,6 +17,7 @@ DEFAULTS = {
     "chunk_bytes": 4 * MiB,
     "cycle_time_ms": 0.0,
     "bucket_bytes": 25 * MiB,
+    "overlap": "auto",
     "cache_capacity": 1024,
     "stall_warning_s": 60.0,
     "stall_shutdown_s": 0.0,
@@ -73,6 +74,7 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
     ("MPIDP_FUSE_BELOW_BYTES", "fuse_below_bytes", "4096", 4096),
     ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
     ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
+    ("MPIDP_OVERLAP", "overlap", "0", "0"),
     ("MPIDP_BUCKET_BYTES", "bucket_bytes", "1048576", 1048576),
     ("MPIDP_CACHE_CAPACITY", "cache_capacity", "0", 0),
     ("MPIDP_STALL_WARNING_S", "stall_warning_s", "0", 0.0),
@@ -217,7 +219,7 @@ def test_agreed_items_excludes_log_level():
     assert "log_level" not in fields
     local = {"log_level", "abort_on_error", "timeline_path", "timeline_mark_cycles",
              "autotune_log", "autotune_warmup_samples", "autotune_samples_per_point",
-             "autotune_sample_s", "elastic_checkpoint"}
+             "autotune_sample_s", "elastic_checkpoint", "overlap"}
     assert set(fields) == set(DEFAULTS) - local
     assert dict(cfg.agreed_items())["cache_capacity"] == 1024
 

@@ -1,0 +1,37 @@
+"""overlap.decide: the knob, and auto's rule (device parameters, cores per rank vs threads)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mpidp import overlap
+
+
+def _state(setting, local_size):
+    return SimpleNamespace(config=SimpleNamespace(overlap=setting), local_size=local_size)
+
+
+@pytest.mark.parametrize("setting, expected", [("1", True), ("0", False)])
+def test_explicit_setting_wins(monkeypatch, setting, expected):
+    monkeypatch.setattr(overlap, "host_cores", lambda: 64)
+    assert overlap.decide(_state(setting, 1), [torch.zeros(1)]) is expected
+
+
+@pytest.mark.parametrize("cores, ranks, threads, expected", [
+    (2, 2, 1, False),   # this project's machine at np=2: one core per rank, one torch thread
+    (2, 1, 1, True),    # np=1: a core to spare
+    (16, 2, 8, False),  # torch's threads take each rank's share
+    (16, 2, 4, True),
+])
+def test_auto_overlaps_cpu_training_only_with_a_spare_core(monkeypatch, cores, ranks, threads,
+                                                           expected):
+    monkeypatch.setattr(overlap, "host_cores", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert overlap.decide(_state("auto", ranks), [torch.zeros(1)]) is expected
+
+
+def test_auto_overlaps_parameters_on_a_device(monkeypatch):
+    monkeypatch.setattr(overlap, "host_cores", lambda: 1)
+    meta = torch.zeros(1, device="meta")
+    assert overlap.decide(_state("auto", 8), [torch.zeros(1), meta]) is True
