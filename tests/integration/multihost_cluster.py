@@ -424,3 +424,25 @@ def threading_main():
     """signal.signal works only in the main thread."""
     return threading.current_thread() is threading.main_thread()
 
+
+
+def main(argv):
+    """`python -m tests.integration.multihost_cluster up [N]` leaves N hosts running and prints
+    the environment to launch across them; `down` removes them (docs/clusters.md)."""
+    if argv[:1] == ["down"]:
+        remove_everything(print)
+        return 0 if not (namespaces() or links()) else 1
+    if argv[:1] != ["up"]:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    cluster = MultiHostCluster(int(argv[1]) if len(argv) > 1 else 2, log=print)
+    cluster.start()
+    for name, value in cluster.env().items():
+        if name.startswith(("HYDRA_", "UCX_")):
+            print(f"export {name}={value}")
+    print("# hosts: " + " ".join(f"{h.name}={h.address}" for h in cluster.hosts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
