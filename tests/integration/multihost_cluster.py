@@ -1,0 +1,448 @@
+"""A throwaway cluster of several hosts on this machine (namespaces + sshd), for multi-host tests.
+
+    cluster = MultiHostCluster()
+    cluster.start()                      # namespaces, bridge, veths, one sshd per host
+    res = cluster.mpiexec(["-hosts", "hosta:2,hostb:2", "-n", "4", python, script])
+    cluster.stop()                       # kills everything on the hosts, removes it all
+
+Each host is a network namespace (`ip netns`) with its own address on a bridge in the root
+namespace (a veth pair each), running sshd in its own UTS namespace, so `hostname` there says
+hosta, hostb, ... The file system, /dev/shm, the process table and the kernel are shared: the
+checkout and its venv are at the same path on every host, as on a cluster with a shared FS.
+
+Launches reach the hosts as on a real cluster, through hydra's ssh launcher, with these settings
+in the environment (`env()`):
+- HYDRA_LAUNCHER_EXEC: an ssh wrapper using a private ssh config (the throwaway key, host-key
+  checking off, host aliases -> addresses). A real user puts the same in ~/.ssh/config.
+- HYDRA_IFACE=<bridge>: the proxies connect back to mpiexec at the bridge's address (the
+  machine's own host name resolves to loopback, which is another place inside a namespace).
+- UCX_TLS=self,tcp: UCX (the mpich wheel's netmod) decides that two processes share a machine by
+  the kernel's boot id, which every namespace shares, and would carry cross-host traffic over
+  SysV shared memory and CMA. Restricted to tcp it goes over the bridge as between real hosts.
+  Ranks on one host still use MPICH's own shared memory: MPICH's locality is hydra's host list.
+
+Everything is named with PREFIX, so start() removes what a killed run left (namespaces, links,
+their processes, its temporary directory) before building; a lock serialises test sessions.
+Only root can do this; `Unavailable` says why it cannot be had (the caller skips, or fails
+under CI=true).
+"""
+
+import fcntl
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
+from .slurm_cluster import Unavailable, is_root, which
+
+PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
+BRIDGE = PREFIX + "0"
+SUBNET = "10.215.15"            # a private /24 that lives only on our bridge; .1 is the bridge
+HOST_NAMES = ("hosta", "hostb", "hostc")
+LOCK = Path("/run/mpidp-multihost-test.lock")
+PACKAGES = ("openssh-server", "openssh-client")
+# With no route out of the namespaces, nothing a host sends can leave the bridge's /24.
+_SETUP_TIMEOUT = 30
+
+
+class ClusterError(RuntimeError):
+    """The cluster did not start or stop cleanly; the message says what is left or broken."""
+
+
+def _run(cmd, timeout=_SETUP_TIMEOUT, check=True):
+    with tempfile.TemporaryFile(mode="w+") as out:  # a file: daemons must not hold our pipe
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, timeout=timeout)
+        out.seek(0)
+        text = out.read()
+    if check and proc.returncode != 0:
+        raise ClusterError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: {text.strip()}")
+    return proc.returncode, text
+
+
+def install(attempts=3, timeout=600):
+    """apt-get install openssh-server (quietly, retried); Unavailable if it cannot be done."""
+    apt = which("apt-get")
+    if apt is None:
+        raise Unavailable("sshd is not installed and there is no apt-get to install it")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    log = ""
+    for attempt in range(1, attempts + 1):
+        try:
+            subprocess.run([apt, "-qq", "update"], capture_output=True, env=env, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+            inst = subprocess.run([apt, "install", "-y", "-qq", "--no-install-recommends",
+                                   *PACKAGES], capture_output=True, text=True, env=env,
+                                  timeout=timeout, stdin=subprocess.DEVNULL)
+            log = inst.stdout + inst.stderr
+            if inst.returncode == 0 and which("sshd") and which("ssh"):
+                return
+        except subprocess.TimeoutExpired as e:
+            log = f"timed out after {timeout}s: {e.cmd}"
+        if attempt < attempts:
+            time.sleep(5 * attempt)
+    raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed {attempts} times:\n"
+                      f"{log[-2000:]}")
+
+
+def namespaces():
+    """Our network namespaces present now (ours or a killed run's)."""
+    _, out = _run(["ip", "netns", "list"], check=False)
+    return sorted(w for w in (line.split()[0] for line in out.splitlines() if line.strip())
+                  if w.startswith(PREFIX + "-"))
+
+
+def links():
+    """Our bridge and veth ends in the root namespace."""
+    _, out = _run(["ip", "-o", "link", "show"], check=False)
+    names = (line.split(":")[1].strip().split("@")[0] for line in out.splitlines()
+             if line.count(":") >= 2)
+    return sorted(n for n in names if n.startswith(PREFIX))
+
+
+def pids_in(netns):
+    """Live processes whose network namespace is `netns`."""
+    rc, out = _run(["ip", "netns", "pids", netns], check=False)
+    pids = [int(p) for p in out.split() if p.isdigit()] if rc == 0 else []
+    return [p for p in pids if _alive(p)]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
+
+
+def _kill_all(pids, timeout=5.0):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _wait_gone(probe, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while probe() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return probe()
+
+
+def remove_everything(log=lambda msg: None):
+    """Kill every process on our hosts, delete our namespaces and links (ours or left over)."""
+    for ns in namespaces():
+        pids = pids_in(ns)
+        if pids:
+            log(f"killing {len(pids)} process(es) on {ns}")
+            _kill_all(pids)
+        _run(["ip", "netns", "del", ns], check=False)
+    for link in links():
+        _run(["ip", "link", "del", link], check=False)
+    # Deleting a namespace frees its veth asynchronously.
+    _wait_gone(lambda: namespaces() or links())
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "-*")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Host:
+    def __init__(self, name, index):
+        self.name = name
+        self.netns = f"{PREFIX}-{name}"
+        self.address = f"{SUBNET}.{index + 2}"
+        self.veth = f"{PREFIX}-{name}"
+        self.sshd = None                # Popen of its sshd (the listener)
+
+    def __repr__(self):
+        return f"<{self.name} {self.address}>"
+
+
+class MultiHostCluster:
+    def __init__(self, n_hosts=2, log=None):
+        if not 1 <= n_hosts <= len(HOST_NAMES):
+            raise ValueError(f"n_hosts must be 1..{len(HOST_NAMES)}")
+        self.hosts = [Host(name, i) for i, name in enumerate(HOST_NAMES[:n_hosts])]
+        self._log = log or (lambda msg: print(f"[multihost_cluster] {msg}", file=sys.stderr))
+        self.dir = None
+        self._lock = None
+        self._shm_before = set()
+        self._old_sigterm = None
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self, lock_timeout=600):
+        """Build the hosts and return once every sshd answers; Unavailable or ClusterError."""
+        t0 = time.monotonic()
+        if not is_root():
+            raise Unavailable("a multi-host test cluster needs root (network namespaces, sshd)")
+        for tool in ("ip", "unshare", "ssh-keygen"):
+            if which(tool) is None:
+                raise Unavailable(f"no `{tool}` here")
+        if which("sshd") is None or which("ssh") is None:
+            self._log(f"installing {' '.join(PACKAGES)}")
+            install()
+        self._acquire_lock(lock_timeout)
+        self._shm_before = shm_files()
+        try:
+            if namespaces() or links():
+                self._log(f"left by an earlier run: {namespaces() + links()}; removing")
+            remove_everything(self._log)
+            self._catch_sigterm()
+            self.dir = Path(tempfile.mkdtemp(prefix=PREFIX + "-"))
+            self._write_keys_and_configs()
+            self._build_network()
+            for host in self.hosts:
+                self._start_sshd(host)
+            for host in self.hosts:
+                self._wait_ssh(host)
+        except BaseException:
+            self.stop(check=False)
+            raise
+        self._log(f"{len(self.hosts)} hosts up in {time.monotonic() - t0:.1f}s: {self.hosts}")
+
+    def _acquire_lock(self, timeout):
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock = fd
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise Unavailable(f"another test session has held {LOCK} for {timeout}s")
+                time.sleep(1)
+
+    def _catch_sigterm(self):
+        """`timeout` ends a test run with SIGTERM, which skips fixture teardown: stop first."""
+        if threading_main() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            def on_term(signum, frame):
+                self.stop(check=False)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+            self._old_sigterm = signal.SIG_DFL
+            signal.signal(signal.SIGTERM, on_term)
+
+    def _write_keys_and_configs(self):
+        d = self.dir
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mpidp-test", "-f",
+              str(d / "id")])
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mpidp-test-host", "-f",
+              str(d / "host_key")])
+        shutil.copy(d / "id.pub", d / "authorized_keys")
+        aliases = "".join(f"Host {h.name}\n  HostName {h.address}\n" for h in self.hosts)
+        (d / "ssh_config").write_text(
+            aliases + f"Host *\n  User root\n  IdentityFile {d / 'id'}\n  IdentitiesOnly yes\n"
+            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n"
+            "  LogLevel ERROR\n  ConnectTimeout 10\n")
+        wrapper = d / "ssh"
+        wrapper.write_text(f'#!/bin/sh\nexec {which("ssh")} -F {d / "ssh_config"} "$@"\n')
+        wrapper.chmod(0o755)
+        for h in self.hosts:
+            (d / f"sshd_{h.name}.conf").write_text(
+                f"ListenAddress {h.address}\nPort 22\nHostKey {d / 'host_key'}\n"
+                f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
+                "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
+                # The keys live under /tmp, whose mode sshd's StrictModes refuses.
+                f"StrictModes no\nPidFile {d / f'sshd_{h.name}.pid'}\nLogLevel ERROR\n")
+
+    def _build_network(self):
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE])
+        _run(["ip", "link", "set", BRIDGE, "up"])
+        for h in self.hosts:
+            _run(["ip", "netns", "add", h.netns])
+            _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns",
+                  h.netns])
+            _run(["ip", "link", "set", h.veth, "master", BRIDGE, "up"])
+            _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0"])
+            _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
+
+    def _start_sshd(self, host):
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+        logf = open(self.dir / f"sshd_{host.name}.log", "w")
+        script = (f"hostname {host.name} && exec {which('sshd')} -D -e "
+                  f"-f {self.dir / f'sshd_{host.name}.conf'}")
+        # ip netns exec, unshare and sh all exec, so the Popen's pid is sshd's own.
+        host.sshd = subprocess.Popen(["ip", "netns", "exec", host.netns, "unshare", "--uts",
+                                      "sh", "-c", script], stdin=subprocess.DEVNULL,
+                                     stdout=logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        logf.close()
+
+    def _wait_ssh(self, host, timeout=_SETUP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        out = ""
+        while time.monotonic() < deadline:
+            if host.sshd.poll() is not None:
+                break
+            rc, out = self.ssh(host.name, "hostname", check=False)
+            if rc == 0 and out.strip() == host.name:
+                return
+            time.sleep(0.2)
+        log = (self.dir / f"sshd_{host.name}.log").read_text(errors="replace")
+        raise ClusterError(f"ssh {host.name} did not answer within {timeout}s (last: {out!r}; "
+                           f"sshd exit code {host.sshd.poll()}); sshd log:\n{log}")
+
+    # -- use -----------------------------------------------------------------------------------
+
+    def host(self, name):
+        return next(h for h in self.hosts if h.name == name)
+
+    def ssh(self, host, command, timeout=30, check=True):
+        return _run([str(self.dir / "ssh"), host, command], timeout=timeout, check=check)
+
+    def env(self, **extra):
+        """The environment for a launch across the hosts (see the module docstring)."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(self.dir / "ssh"),
+                   HYDRA_IFACE=BRIDGE, UCX_TLS="self,tcp", OMP_NUM_THREADS="1")
+        env.update(extra)
+        return env
+
+    def run(self, cmd, timeout=120, env=None):
+        """Run `cmd` (mpiexec or mpidprun, ...) from the repository root with env(); on timeout
+        kill its process group (mpiexec and its ssh clients) and raise TimeoutExpired."""
+        start = time.monotonic()
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                cwd=str(ROOT), env=env or self.env(), start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except OSError:
+                    pass
+                try:
+                    proc.communicate(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            raise
+        return Result(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
+                      time.monotonic() - start)
+
+    def start_job(self, args, env=None):
+        """mpiexec `args` in the background (own process group), stdout/stderr as text pipes."""
+        return subprocess.Popen([mpiexec(), *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                cwd=str(ROOT), env=env or self.env(), start_new_session=True)
+
+    def kill_session(self, name, with_children):
+        """SIGKILL the sshd session processes on host `name` (not the listener), and with
+        `with_children` everything they started; returns the pids killed."""
+        host = self.host(name)
+        pids = [p for p in pids_in(host.netns)
+                if p != host.sshd.pid and cmdline(p).startswith("sshd: ")]
+        if with_children:
+            parent = {}
+            for stat in glob.glob("/proc/[0-9]*/stat"):
+                try:
+                    with open(stat) as f:
+                        parent[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+            found, grew = set(pids), True
+            while grew:
+                more = {p for p, pp in parent.items() if pp in found} - found
+                found |= more
+                grew = bool(more)
+            pids = sorted(found)
+        _kill_all(pids)
+        return pids
+
+    def mpiexec(self, *args, timeout=120, env=None):
+        """The venv's hydra with `args` (hosts, -n, program...)."""
+        return self.run([mpiexec(), *args], timeout=timeout, env=env)
+
+    def leftovers(self, settle=5.0):
+        """{host: [command line]} of processes other than the sshd listeners, after they have
+        had `settle` seconds to go (sshd's session processes exit just after a job)."""
+        def find():
+            found = {}
+            for h in self.hosts:
+                keep = {h.sshd.pid} if h.sshd else set()
+                rest = [p for p in pids_in(h.netns) if p not in keep]
+                if rest:
+                    found[h.name] = [f"{p}: {cmdline(p)}" for p in rest]
+            return found
+        deadline = time.monotonic() + settle
+        while (found := find()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return found
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self, check=True):
+        """Kill everything on the hosts and remove the hosts; with check, raise ClusterError if
+        a namespace or link survives."""
+        for h in self.hosts:
+            if h.sshd is not None:
+                h.sshd.kill()
+                h.sshd.wait(timeout=10)
+                h.sshd = None
+        remove_everything(self._log)
+        left = namespaces() + links()
+        for path in clean_shm(self._shm_before):
+            self._log(f"removed leftover {path}")
+        self.dir = None
+        if self._old_sigterm is not None and threading_main():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+        if left and check:
+            raise ClusterError(f"still present after stop: {left}")
+
+
+def threading_main():
+    """signal.signal works only in the main thread."""
+    return threading.current_thread() is threading.main_thread()
+
+
+
+def main(argv):
+    """`python -m tests.integration.multihost_cluster up [N]` leaves N hosts running and prints
+    the environment to launch across them; `down` removes them (docs/clusters.md)."""
+    if argv[:1] == ["down"]:
+        remove_everything(print)
+        return 0 if not (namespaces() or links()) else 1
+    if argv[:1] != ["up"]:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    cluster = MultiHostCluster(int(argv[1]) if len(argv) > 1 else 2, log=print)
+    cluster.start()
+    for name, value in cluster.env().items():
+        if name.startswith(("HYDRA_", "UCX_")):
+            print(f"export {name}={value}")
+    print("# hosts: " + " ".join(f"{h.name}={h.address}" for h in cluster.hosts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
