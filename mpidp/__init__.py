@@ -18,10 +18,11 @@ from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
 from .sync_batch_norm import SyncBatchNorm
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_async,
-                  allreduce_async_, alltoall_async, barrier, broadcast_async, broadcast_async_,
+                  allreduce_async_, alltoall_async, broadcast_async, broadcast_async_,
                   grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
-                  grouped_reducescatter_async, join, poll, reducescatter_async,
+                  grouped_reducescatter_async, poll, reducescatter_async,
                   synchronize)
+from .barrier_join import barrier, join
 from .sparse import sparse_allreduce_async
 from .runtime import init, is_initialized, rank, shutdown, size
 from .topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,

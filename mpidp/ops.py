@@ -11,7 +11,7 @@ from .waits import poll, synchronize  # noqa: F401 (mpidp.ops is where users fin
 from .op_args import (UNNAMED, check_reduction, check_splits, check_tensor, op_name,
                       parts_request, request, resolve_op, same_device)
 from .process_sets import member_of
-from .engine.messages import JOIN_NAME, OpType, ReduceOp, Request
+from .engine.messages import OpType, ReduceOp, Request
 from .engine.tensor_queue import Entry
 
 Average = ReduceOp.AVERAGE
@@ -273,27 +273,3 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=
                                             postscale_factor, "grouped_reducescatter",
                                             process_set)
     return submit(target, entries, list)
-
-
-# ---- barrier, join ----
-
-def barrier(process_set=None) -> None:
-    """Block until every rank (of the set) has called barrier(). Synchronization: those ranks."""
-    target = member_of(process_set, "barrier")
-    req = Request(target[1].auto_name(), int(OpType.BARRIER), cacheable=False)
-    with blocking():
-        synchronize(submit(target, [new_entry(req, None, None)], first_result))
-
-
-def join(device: int = -1) -> int:
-    """Declare that this rank has no more data; until every rank has joined, its allreduces
-    contribute zeros to the others'. Blocks until all ranks joined; returns the last to join."""
-    target = member_of(None, "join")
-    state = target[0]
-    req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False, serial=state.unnamed_count())
-    with blocking():
-        last, serial = synchronize(submit(target, [new_entry(req, None, None)], first_result))
-    # Ranks that kept going numbered unnamed ops (barriers, allreduces) the joined ranks did not;
-    # all continue from the highest count so later unnamed ops match again.
-    state.resume_names(serial)
-    return last

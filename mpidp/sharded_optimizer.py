@@ -16,7 +16,7 @@ stage=2 frees the parameters' gradients once they are packed and keeps only the 
 
 import torch
 
-from . import functions, grad_norm, ops, runtime, sharded_state
+from . import functions, grad_norm, ops, runtime, sharded_join, sharded_state
 from .buckets import make_buckets
 from .optimizer import DistributedOptimizer
 from .pack_pool import PackPool
@@ -71,6 +71,9 @@ class ShardedOptimizer(DistributedOptimizer):
         self._slot = {id(b): i for i, b in enumerate(self._buckets)}
         self._layouts = [Layout(b.params, [position[p] for p in b.params], self._size,
                                 self._rank) for b in self._buckets]
+        # Every op of this optimizer is named under one tag: a joined rank serves the tag.
+        self._tag = f"mpidp.sharded.{self._buckets[0].name if self._buckets else ''}/"
+        self._join = sharded_join.Rounds(self, self._ranks, self._rank, self._tag)
         # The parameters move into one buffer per bucket (each becomes a view of its place),
         # so this rank's shard is a view of the parameters themselves: the wrapped optimizer
         # steps them in place and the allgather lands with one copy.
@@ -106,6 +109,7 @@ class ShardedOptimizer(DistributedOptimizer):
             return super()._submit(bucket)
         bucket.submitted = True
         self._reduced = False
+        self._join.submit()  # who has joined: with the step's first bucket, overlapping backward
         i = self._slot[id(bucket)]
         layout, first = self._layouts[i], bucket.params[0]
         grads = [None if p.grad is None else
@@ -128,7 +132,7 @@ class ShardedOptimizer(DistributedOptimizer):
             flat = layout.pack(grads, self._pool.take(i, first, layout.padded, self._collect))
             for p in bucket.params:
                 p.grad = None
-        bucket.handle = ops.reducescatter_async(flat, name=f"mpidp.sharded.{bucket.name}",
+        bucket.handle = ops.reducescatter_async(flat, name=self._tag + bucket.name,
                                                 op=Average, process_set=self._process_set)
 
     def _collect(self, i: int) -> None:
@@ -146,11 +150,13 @@ class ShardedOptimizer(DistributedOptimizer):
             return super().synchronize()
         if self._reduced and not self._in_flight():
             return
+        self._join.submit()
         self._submit_rest()
         try:
             for i, bucket in enumerate(self._buckets):
                 if bucket.handle is not None:
                     self._collect(i)
+            self._join.collect()
         finally:
             self._end_step()
             self._pool.release_all()
@@ -175,6 +181,7 @@ class ShardedOptimizer(DistributedOptimizer):
             raise RuntimeError("ShardedOptimizer.step() inside skip_synchronize() needs "
                                "optimizer.synchronize() first: the shards have no reduced "
                                "gradients yet")
+        self._join.announce("step", sharded_state.options(self._opt.param_groups))
         self._consolidated = None
         # A script that gave a parameter new storage (p.data = ...) moved it out of its home.
         for layout, home in zip(self._layouts, self._homes):
@@ -182,7 +189,7 @@ class ShardedOptimizer(DistributedOptimizer):
                 layout.home(home)
         self._opt.step()
         self._reduced = self._synchronized = False
-        handles = [ops.allgather_async(shard.detach(), name=f"mpidp.sharded.{b.name}.params",
+        handles = [ops.allgather_async(shard.detach(), name=f"{self._tag}{b.name}.params",
                                        process_set=self._process_set)
                    for shard, b in zip(self._shards, self._buckets)]
         with torch.no_grad():
@@ -223,6 +230,7 @@ class ShardedOptimizer(DistributedOptimizer):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                   error_if_nonfinite)
         self.synchronize()
+        self._join.announce("clip", max_norm, norm_type, error_if_nonfinite)
         grads = [s.grad for s in self._shards if s.grad is not None]
         return grad_norm.clip_(grads, max_norm, norm_type, error_if_nonfinite,
                                self._process_set)
@@ -251,7 +259,7 @@ class ShardedOptimizer(DistributedOptimizer):
             raise ValueError(f"ShardedOptimizer.consolidate_state_dict: rank {to} is not in the "
                              f"optimizer's process set (ranks {list(self._ranks)})")
         parts = functions.allgather_object(self.sharded_state_dict(),
-                                           name="mpidp.sharded.consolidate",
+                                           name="mpidp.consolidate",
                                            process_set=self._process_set)
         self._consolidated = sharded_state.assemble(parts) if runtime.rank() == to else None
 

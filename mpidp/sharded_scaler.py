@@ -31,11 +31,41 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         local = sum((v.double().sum() for v in found.values()),
                     torch.zeros((), dtype=torch.float64))
-        agreed = collectives.allreduce(local.reshape(1), name="mpidp.grad_scaler.found_inf",
-                                       op=Max,
-                                       process_set=getattr(optimizer, "_process_set", None))
-        flag = (agreed[0] > 0).float()
+        rounds = getattr(optimizer, "_join", None)  # a ShardedOptimizer's (sharded_join.py)
+        if rounds is not None:
+            rounds.announce("unscale", self._scale.double().reciprocal().float().item())
+        flag = (_agree(local, getattr(optimizer, "_process_set", None)) > 0).float()
         if not found:
             found[self._scale.device] = flag.to(self._scale.device)
         for device, value in found.items():
             value.copy_(flag.to(value.device))
+
+    def step(self, optimizer, *args, **kwargs):
+        """GradScaler.step; a step skipped for an inf or NaN is announced to joined ranks.
+        Synchronization: unscale_()'s (if not called yet), then the optimizer's step()."""
+        result = super().step(optimizer, *args, **kwargs)
+        rounds = getattr(optimizer, "_join", None)
+        if rounds is not None and self._enabled:
+            found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            if sum(v.item() for v in found.values()):
+                rounds.announce("skip")
+        return result
+
+
+def _agree(local: torch.Tensor, process_set) -> torch.Tensor:
+    """Whether any rank of the set found an inf or NaN (> 0). Synchronization: one allreduce."""
+    return collectives.allreduce(local.reshape(1), name="mpidp.grad_scaler.found_inf", op=Max,
+                                 process_set=process_set)[0]
+
+
+def unscale_joined(optimizer, inv_scale: float) -> None:
+    """unscale_() on a joined rank serving a ShardedOptimizer (sharded_join.py): unscale this
+    rank's chunks of the reduced gradients by the training ranks' `inv_scale` and take part in
+    agreeing on the inf/NaN flag. Synchronization: one scalar allreduce over the set."""
+    grads = [s.grad for s in optimizer._shards if s.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros(1, device=device)
+    inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+    for g in grads:  # the kernel GradScaler.unscale_ runs, so the products are the same
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv)
+    _agree(found.double().sum(), optimizer._process_set)

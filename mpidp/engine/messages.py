@@ -54,6 +54,9 @@ class Request(NamedTuple):
     # ALLREDUCE of several tensors (a gradient bucket, a grouped op): each tensor's shape, in
     # order; `shape` is then the flat length of them all. Empty for one tensor.
     parts: Tuple[Tuple[int, ...], ...] = ()
+    # JOIN only: prefixes of the names this rank still submits while joined (a ShardedOptimizer's
+    # shard is stepped until every rank has joined); the others wait for those as for anyone's.
+    serves: Tuple[str, ...] = ()
 
     def signature(self) -> tuple:
         """What must be equal on every rank for one name (alltoall/allgather: dim 0 may differ)."""
@@ -90,6 +93,9 @@ class Response(NamedTuple):
     last_joined: int = -1                       # JOIN: the rank that joined last
     joined: Tuple[int, ...] = ()                # ranks joined when this response was made
     serial: int = 0                             # JOIN: the highest unnamed-op count of any rank
+    # JOIN: names that some ranks sent the coordinator while ranks were joined (so off their
+    # cache bits); the others must send theirs there too, even if their cache has the name.
+    pending: Tuple[str, ...] = ()
 
 
 def op_label(request: Request) -> str:

@@ -1,6 +1,6 @@
 """The coordinator's pure logic: count which ranks submitted each name, validate, order them."""
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from .messages import JOIN_NAME, OP_NAMES, OpType, ReduceOp, Request, Response, op_label
 
@@ -95,6 +95,7 @@ class MessageTable:
         self.size = size
         self.table: Dict[str, Dict[int, Request]] = {}
         self.joined: List[int] = []
+        self.serves: Dict[int, Tuple[str, ...]] = {}  # joined rank -> name prefixes it still sends
         self.join_serial = 0
 
     def add(self, rank: int, requests: Sequence[Request]) -> None:
@@ -102,21 +103,24 @@ class MessageTable:
             if req.op == OpType.JOIN:
                 if rank not in self.joined:
                     self.joined.append(rank)
+                self.serves[rank] = tuple(req.serves)
                 self.join_serial = max(self.join_serial, req.serial)
                 continue
             slot = self.table.setdefault(req.name, {})
             slot[rank] = req
 
     def ready(self) -> List[Response]:
-        """Responses for every name now submitted by all ranks that have not joined, in order."""
+        """Responses for every name now submitted by all ranks that have not joined (or that
+        joined but still serve the name's prefix), in order."""
         joined = set(self.joined)
         out = []
         for name in list(self.table):
             slot = self.table[name]
-            if len(slot) + len(joined - set(slot)) < self.size:
+            absent = {r for r in joined - set(slot) if not name.startswith(self.serves[r])}
+            if len(slot) + len(absent) < self.size:
                 continue
             del self.table[name]
-            error = validate(slot, sorted(joined - set(slot)))
+            error = validate(slot, sorted(absent))
             first = slot[min(slot)]
             if error:
                 out.append(Response(name, OpType.ERROR, first, error=error))
@@ -125,10 +129,11 @@ class MessageTable:
             if first.op == OpType.ALLGATHER:
                 dims = tuple(slot[r].shape[0] if slot[r].shape else 1 for r in range(self.size))
             out.append(Response(name, first.op, first, first_dims=dims,
-                                joined=tuple(sorted(joined - set(slot)))))
+                                joined=tuple(sorted(absent))))
         if len(self.joined) == self.size:
             out.append(Response(JOIN_NAME, OpType.JOIN, Request(JOIN_NAME, OpType.JOIN),
-                                last_joined=self.joined[-1], serial=self.join_serial))
-            self.joined = []
+                                last_joined=self.joined[-1], serial=self.join_serial,
+                                pending=tuple(self.table)))
+            self.joined, self.serves = [], {}
             self.join_serial = 0
         return out

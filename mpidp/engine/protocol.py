@@ -20,34 +20,32 @@ One cycle, on every rank:
     Invalid bits are evicted on every rank (ops waiting on them go to the coordinator). Bits set
     on every rank are ready, in bit order: identical everywhere. With JOINED, no bit is ready and
     every CACHED op goes to the coordinator, which knows who has joined.
- 4. Slow path, when a flag but SHUTDOWN or an invalid bit is set: rank 0 gathers every rank's
-    (new requests, stall snapshot, request ages), pickled (lengths, then bytes). It counts per
-    name which ranks sent it; a name is ready once every rank that has not joined sent it. It
-    checks that dtype, shape (or part shapes), op, reduce op, scale factors, root and device kind
-    agree; a disagreement becomes an ERROR response naming the ranks and the field, so that op
-    fails on every rank with the same message and the next one still works. When every rank has
-    joined it appends JOIN (with the rank that joined last); with STALL the stall inspector logs
-    the ops some ranks miss, naming them, and past the stall limit appends SHUTDOWN. Rank 0
-    broadcasts the ordered responses (with TUNE, the new parameters too). Every rank puts the
-    successful responses into its cache in that order, so the caches stay identical.
- 5. Every rank executes the cache hits, then the coordinator's responses, in order. A joined
-    rank executes allreduces with zeros and skips everything else.
+ 4. Slow path, when a flag but SHUTDOWN or an invalid bit is set: rank 0 gathers every rank's (new
+    requests, stall snapshot, request ages), pickled (lengths, then bytes). It counts per name which
+    ranks sent it; a name is ready once every rank sent it but those joined (except under the name
+    prefixes a joined rank's JOIN says it still serves). It checks that dtype, shape, op, reduce op,
+    scale factors, root and device kind agree; a disagreement becomes an ERROR response naming the
+    ranks and the field, so that op fails on every rank with the same message and the next one still
+    works. When every rank has joined it appends JOIN (with the rank that joined last, and the names
+    still waiting for some ranks, which those send to the coordinator even if cached); with STALL
+    the stall inspector logs the ops some ranks miss, naming them, and past the stall limit appends
+    SHUTDOWN. Rank 0 broadcasts the ordered responses (with TUNE, the new parameters too). Every
+    rank puts the successful responses into its cache in that order, so the caches stay identical.
+ 5. Every rank executes the cache hits, then the coordinator's responses, in order. A joined rank
+    executes allreduces it did not submit with zeros and skips everything else it did not submit.
 
-A lone cached op on a rank with nothing else to say (Engine.express) builds its band from its
-bit alone and, if it comes back unchanged, skips steps 3-4 (negotiate_one): the same cycle.
+A lone cached op on a rank with nothing else to say (Engine.express) builds its band from its bit
+alone and, if it comes back unchanged, skips steps 3-4 (negotiate_one).
 
-Wake-ups. A rank that needs peers in a cycle they may sleep through (to stop them, or to have
-them report for a stall check) sends each peer the pair (k, flags) on the wake communicator, k
-being the cycle it is in (and the engine's epoch, agreed when its communicators were made, so
-that a wake-up left over from an earlier engine is dropped). It sends at the start of the cycle,
-or while it waits in the band once the reason arises (a local shutdown, a stall limit). An
-engine tests its posted receive between cycles and, while asleep, every WAKE_POLL_S. A wake for
-a cycle it has not run yet makes it run that cycle with those flags in its band; a wake for a
-cycle it already ran is dropped. Ops need no wake-up: every rank's own submission wakes its own
-engine.
-
-Stall detection therefore works with sleeping peers: a waiting rank raises STALL in its band
-and wakes its peers, so the coordinator gets every rank's snapshot and names the missing ranks.
+Wake-ups. A rank that needs peers in a cycle they may sleep through (to stop them, or to have them
+report for a stall check) sends each peer the pair (k, flags) on the wake communicator, k being the
+cycle it is in (and the engine's epoch, so a wake-up left by an earlier engine is dropped). It sends
+at the start of the cycle, or while it waits in the band once the reason arises. An engine tests its
+posted receive between cycles and, while asleep, every WAKE_POLL_S. A wake for a cycle it has not
+run yet makes it run that cycle with those flags in its band; a wake for a cycle it already ran is
+dropped. Ops need no wake-up: every rank's own submission wakes its own engine. Stall detection thus
+works with sleeping peers: a waiting rank raises STALL in its band and wakes its peers, so the
+coordinator gets every rank's snapshot and names the missing ranks.
 """
 
 import time
@@ -106,6 +104,7 @@ class Negotiator:
         self.stats = stats
         self.invalid = set()
         self.joined = False   # this rank's JOIN is pending
+        self.resend = set()   # names to send the coordinator, not to cache bits (Response.pending)
         self.cycles = 0       # cycles completed: the same count on every rank between cycles
         self._woken = 0       # flags that peers' wake-ups ask for in the next cycle
         self._due = False     # a wake-up asks this rank to run the next cycle
@@ -118,6 +117,8 @@ class Negotiator:
         entry.state = TO_SEND
         if req.op == OpType.JOIN:
             self.joined = True
+        elif self.resend and req.name in self.resend:
+            self.resend.discard(req.name)
         elif req.cacheable and self.cache.capacity:
             status, bit = self.cache.lookup(req.name, entry.cache_key)
             if status == HIT:
@@ -173,7 +174,7 @@ class Negotiator:
     def quiet(self) -> bool:
         """Nothing but a new op would go into the next band: no wake-up due, no join pending,
         no invalid bit to announce (Engine.express may then run negotiate_one)."""
-        return not (self._due or self._woken or self.joined or self.invalid)
+        return not (self._due or self._woken or self.joined or self.invalid or self.resend)
 
     def negotiate_one(self, entry: Entry, ops: Dict[str, Entry], stopping: Callable[[], bool],
                       sent: bytes):

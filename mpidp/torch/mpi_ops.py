@@ -3,11 +3,12 @@
 from mpidp.collectives import (allgather, allreduce, allreduce_, alltoall,
                                broadcast, broadcast_, grouped_allgather, grouped_allreduce,
                                grouped_allreduce_, grouped_reducescatter, reducescatter)
+from mpidp.barrier_join import barrier, join
 from mpidp.ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async,
-                       allreduce_async, allreduce_async_, alltoall_async, barrier,
+                       allreduce_async, allreduce_async_, alltoall_async,
                        broadcast_async, broadcast_async_, grouped_allgather_async,
                        grouped_allreduce_async, grouped_allreduce_async_,
-                       grouped_reducescatter_async, join, poll, reducescatter_async,
+                       grouped_reducescatter_async, poll, reducescatter_async,
                        synchronize)
 from mpidp.sparse import sparse_allreduce_async
 from mpidp.process_sets import (ProcessSet, add_process_set,

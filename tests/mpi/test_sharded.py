@@ -350,28 +350,166 @@ def test_new_storage_for_a_parameter_is_taken_back_into_its_bucket():
     _assert_replicas_bitwise(model, "new storage")
 
 
+def _uneven(steps_of, stage, passes=1, kind="adamw", act=None, pair=_pair):
+    """A ShardedOptimizer and a DistributedOptimizer trained side by side on this rank's first
+    steps_of(rank) steps (uneven), with a local StepLR each and an allreduce of the loss per
+    step, then join(). `act(model, opt, i)`, if given, replaces zero_grad/backward/step.
+    Returns (model, reference model on the rank with most steps, join()s' return values)."""
+    data = _data(steps=max(steps_of(r) for r in range(mpidp.size())), micro=passes)
+    mine = data[:steps_of(mpidp.rank())]
+    model, opt, ref, ref_opt = pair(kind, stage, passes)
+    lasts = []
+    for m, o in ((model, opt), (ref, ref_opt)):
+        sched = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7)
+        for i, step in enumerate(mine):
+            if act is not None:
+                loss = act(m, o, i, step)
+            else:
+                o.zero_grad()
+                for x, y in step:
+                    loss = F.cross_entropy(m(x), y) / passes
+                    loss.backward()
+                o.step()
+            mpidp.allreduce(loss.detach(), name="test_sharded.join.loss", op=mpidp.Sum)
+            sched.step()
+        lasts.append(run_all(mpidp.join))
+    most = max(range(mpidp.size()), key=steps_of)
+    want = gather([p.detach() for p in ref.parameters()])[most]
+    return model, want, lasts
+
+
+def _check_against(model, want, what, tol=1e-12, exact=True):
+    """Parameters equal `want` (bitwise where both sum in the same order: two ranks or fewer,
+    same arithmetic) and are bitwise the same on every rank."""
+    err = max((p.detach() - q).abs().max().item() for p, q in zip(model.parameters(), want))
+    exact = exact and mpidp.size() <= 2
+    assert_all(err == 0.0 if exact else err < tol, f"{what}: max deviation {err}")
+    _assert_replicas_bitwise(model, what)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("last", ["highest", "lowest"])
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_uneven_batches_then_join_equal_distributed_optimizer_with_join(stage, passes, last):
+    """Rank r has its own number of batches; the joined ranks keep stepping their shards, so
+    every replica ends where DistributedOptimizer+join's longest-running rank does."""
+    n = mpidp.size()
+    steps_of = (lambda r: 2 + r) if last == "highest" else (lambda r: 1 + n - r)
+    model, want, lasts = _uneven(steps_of, stage, passes)
+    _check_against(model, want, f"stage {stage} passes {passes}")
+    expect = n - 1 if last == "highest" else 0
+    got = gather(lasts)
+    assert_all(all(g == [expect, expect] for g in got), f"join() returned {got}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_join_with_global_norm_clipping(norm_type):
+    def sharded(m, o, i, step):
+        o.zero_grad()
+        loss = F.cross_entropy(m(step[0][0]), step[0][1])
+        loss.backward()
+        if isinstance(o, mpidp.ShardedOptimizer):
+            o.clip_grad_norm_(0.05, norm_type)
+        else:
+            o.synchronize()
+            nn.utils.clip_grad_norm_(m.parameters(), 0.05, norm_type)
+        with o.skip_synchronize():
+            o.step()
+        return loss
+
+    model, want, _ = _uneven(lambda r: 2 + r, 2, kind="sgd_momentum", act=sharded)
+    # The norm is summed chunk by chunk here, parameter by parameter by torch: not bitwise.
+    _check_against(model, want, "clipping", tol=1e-10, exact=False)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", [1, 2])
+def test_join_with_grad_scaler_and_a_step_skipped_while_a_rank_is_joined(stage):
+    """Rank r has 2 + 2r batches; at step 2, rank 0 has joined and the last rank's loss is
+    inf: every rank, the joined one included, skips that step and lowers the scale alike."""
+    n = mpidp.size()
+    scalers = {}
+
+    def scaled(m, o, i, step):
+        sharded = isinstance(o, mpidp.ShardedOptimizer)
+        scaler = scalers.setdefault(sharded, mpidp.ShardedGradScaler("cpu", init_scale=2.0 ** 8)
+                                    if sharded else torch.amp.GradScaler("cpu",
+                                                                         init_scale=2.0 ** 8))
+        o.zero_grad()
+        loss = F.cross_entropy(m(step[0][0].float()), step[0][1])
+        if i == 2 and mpidp.rank() == n - 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if sharded:
+            scaler.step(o)
+        else:  # Horovod's recipe for a GradScaler with DistributedOptimizer
+            o.synchronize()
+            scaler.unscale_(o)
+            with o.skip_synchronize():
+                scaler.step(o)
+        scaler.update()
+        return loss.detach().nan_to_num(posinf=0.0)
+
+    def pair(kind, stage, passes):
+        model, ref = _model().float(), _model().float()
+        return (model, mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              model.named_parameters(), stage=stage),
+                ref, mpidp.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                                ref.named_parameters()))
+
+    model, want, _ = _uneven(lambda r: 2 + 2 * r, stage, act=scaled, pair=pair)
+    _check_against(model, want, "grad scaler", tol=1e-6)
+    # A joined rank's scaler stays as it was (as with DistributedOptimizer): compare per rank.
+    scales = gather((scalers[True].get_scale(), scalers[False].get_scale()))
+    assert_all(all(a == b for a, b in scales) and (n == 1 or scales[-1][0] < 2.0 ** 8),
+               f"(sharded, DistributedOptimizer) scales per rank {scales}")
+
+
+@pytest.mark.mpi
+def test_all_ranks_joining_at_once_take_no_extra_step():
+    model, opt, ref, ref_opt = _pair("adam", 2)
+    data = _data(steps=2)
+    _train(model, opt, data)
+    _train(ref, ref_opt, data)
+    before = [p.detach().clone() for p in model.parameters()]
+    lasts = gather(run_all(mpidp.join))
+    steps = {int(s["step"]) for s in opt.state.values()}
+    assert_all(all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+               "join() moved the parameters")
+    assert_all(steps == {2}, f"optimizer steps {steps}")
+    assert_all(all(x == lasts[0] for x in lasts), f"join() returned {lasts}")
+    _check_against(model, list(ref.parameters()), "no extra step")
+    _train(model, opt, _data(steps=1, seed=4))  # training goes on after join()
+    _assert_replicas_bitwise(model, "after join")
+
+
 @pytest.mark.mpi(min_size=2)
-def test_a_joined_rank_is_a_clear_error_not_a_hang():
-    """Every rank owns part of the state, so no rank may sit out a step: while one rank is
-    joined, the reduce-scatter is refused on the others with the engine's join message."""
-    model = _model()
-    opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 model.named_parameters())
-    if mpidp.rank() == 0:
-        error = None
-        mpidp.join()
-    else:
+def test_stepping_an_optimizer_the_joined_rank_does_not_serve_is_a_clear_error():
+    """A joined rank keeps stepping the ShardedOptimizer it created or stepped last; a step of
+    another one on the training ranks fails there with the engine's join error, not a hang,
+    and join() still completes everywhere afterwards."""
+    models = [_model(), _model(seed=1)]
+    opts = [mpidp.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   m.named_parameters(prefix=f"m{i}"))
+            for i, m in enumerate(models)]
+    for m, o in zip(models, opts):
+        _train(m, o, _data(steps=1))
+    error = None
+    if mpidp.rank() != 0:
         x, y = _data(steps=1)[0][0]
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(models[0](x), y).backward()
         try:
-            opt.step()
-            error = None
+            opts[0].step()
         except mpidp.CollectiveError as exc:
             error = str(exc)
-        mpidp.join()
+    lasts = gather(mpidp.join())
     errors = gather(error)
-    ok = all(e is not None and "join" in e for e in errors[1:])
+    ok = all(e is not None and "rank 0 already called join()" in e for e in errors[1:])
     assert_all(ok, f"errors {errors}")
+    assert_all(all(x == lasts[0] for x in lasts), f"join() returned {lasts}")
+    _assert_replicas_bitwise(models[1], "the served optimizer's model")
 
 
 @pytest.mark.mpi

@@ -219,6 +219,26 @@ def test_joined_rank_that_also_submitted_is_not_in_joined():
     assert resp.op == OpType.ALLREDUCE and resp.joined == ()
 
 
+def test_a_joined_rank_that_serves_a_prefix_is_waited_for_under_it_only():
+    """A ShardedOptimizer's joined rank keeps submitting its shard's ops (prefix 'opt.'): the
+    others wait for it there, while their other allreduces get its zeros as usual."""
+    table = MessageTable(2)
+    table.add(1, [Request(JOIN_NAME, OpType.JOIN, serves=("opt.",))])
+    table.add(0, [Request("opt.rs", OpType.REDUCESCATTER, "float32", (4,)), ar("loss")])
+    (loss,) = table.ready()
+    assert loss.name == "loss" and loss.joined == (1,)
+    table.add(1, [Request("opt.rs", OpType.REDUCESCATTER, "float32", (4,))])
+    (rs,) = table.ready()
+    assert rs.op == OpType.REDUCESCATTER and rs.joined == ()
+    # Rank 1 sends its next round while joined; rank 0 joins before sending its own: JOIN
+    # names it as pending, so rank 0 sends it to the coordinator even though it is cached.
+    table.add(1, [Request("opt.rs", OpType.REDUCESCATTER, "float32", (4,))])
+    table.add(0, [Request(JOIN_NAME, OpType.JOIN, serves=("opt.",))])
+    (j,) = table.ready()
+    assert j.op == OpType.JOIN and j.last_joined == 0 and table.serves == {}
+    assert j.pending == ("opt.rs",)
+
+
 @pytest.mark.parametrize("req", [
     ag("t"),
     Request("t", OpType.BROADCAST, "float32", (2,), root=0),
