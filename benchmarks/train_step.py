@@ -1,12 +1,15 @@
 """Training-step time side by side: no communication, mpidp, DDP (gloo), hand-written MPI.
 
     mpiexec -n 2 python benchmarks/train_step.py [--rounds 6] [--steps 8] [--json out.json]
+        [--overlap-ab]
 
 One torch thread per rank. Each round runs every contender for --steps steps on its own copy of
 the model (same initial weights), in a rotating order; medians over all rounds are reported with
 ratios: mpidp / the best hand-written MPI strategy after backward (per-tensor: one in-place
 Allreduce per gradient; hybrid: gradients < 64 KB packed into one buffer, larger ones in place in
 4 MB chunks), DDP step / mpidp step, and scaling efficiency (no-communication step / mpidp step).
+--overlap-ab adds two mpidp contenders that overlap reductions with backward and that do not,
+whatever MPIDP_OVERLAP's auto picks here (docs: README, MPIDP_OVERLAP).
 """
 
 import argparse
@@ -57,7 +60,7 @@ class Contender:
         return time.perf_counter() - start
 
 
-def contenders(build, comm):
+def contenders(build, comm, overlap_ab=False):
     torch.manual_seed(0)
     base = build()
     size = comm.size
@@ -71,6 +74,11 @@ def contenders(build, comm):
     m = copy.deepcopy(base)
     out.append(Contender("mpidp", m, mpidp.DistributedOptimizer(
         sgd(m), named_parameters=m.named_parameters())))
+    for mode in (("overlap", True), ("no overlap", False)) if overlap_ab else ():
+        m = copy.deepcopy(base)
+        opt = mpidp.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+        opt._overlap = mode[1]  # what MPIDP_OVERLAP=1 / 0 would decide (mpidp/overlap.py)
+        out.append(Contender(f"mpidp {mode[0]}", m, opt))
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     out.append(Contender("DDP (gloo)", m, sgd(m)))
     m = copy.deepcopy(base)
@@ -103,9 +111,9 @@ def contenders(build, comm):
     return out
 
 
-def bench_model(name, comm, rounds, steps):
+def bench_model(name, comm, rounds, steps, overlap_ab):
     build, make_input, batch, classes = MODELS[name]
-    runners = contenders(build, comm)
+    runners = contenders(build, comm, overlap_ab)
     g = torch.Generator().manual_seed(comm.rank)
     x, y = make_input(batch), torch.randint(0, classes, (batch,), generator=g)
     for c in runners:  # warm-up: allocator, caches, mpidp's response cache
@@ -128,6 +136,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--json")
+    parser.add_argument("--overlap-ab", action="store_true",
+                        help="also mpidp with and without overlap, side by side")
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -135,7 +145,7 @@ def main():
     setup_gloo(comm)
     results = {}
     for name in args.models.split(","):
-        results[name] = bench_model(name, comm, args.rounds, args.steps)
+        results[name] = bench_model(name, comm, args.rounds, args.steps, args.overlap_ab)
     if comm.rank == 0:
         print(f"train step, np={comm.size}, 1 torch thread per rank, medians of "
               f"{args.rounds}x{args.steps} steps (ms)")
@@ -146,6 +156,8 @@ def main():
             for k, v in med.items():
                 print(f"  {k:32s} {v:8.1f}")
             print(f"  mpidp / best hand-written MPI    {ours / raw:8.3f}   (goal <= 1.03)")
+            for mode in ("overlap", "no overlap") if args.overlap_ab else ():
+                print(f"  mpidp {mode:10s} / best hand-written {med[f'mpidp {mode}'] / raw:6.3f}")
             print(f"  DDP (gloo) / mpidp               {ddp / ours:8.3f}   (goal > 1)")
             print(f"  scaling efficiency               {base / ours:8.3f}   (no communication "
                   f"/ mpidp)")
