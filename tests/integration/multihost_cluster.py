@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
-from .slurm_cluster import Unavailable, is_root, which
+from .slurm_cluster import Unavailable, alive, is_root, which
 
 PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
 BRIDGE = PREFIX + "0"
@@ -111,15 +111,7 @@ def pids_in(netns):
     """Live processes whose network namespace is `netns`."""
     rc, out = _run(["ip", "netns", "pids", netns], check=False)
     pids = [int(p) for p in out.split() if p.isdigit()] if rc == 0 else []
-    return [p for p in pids if _alive(p)]
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    return [p for p in pids if alive(p)]
 
 
 def cmdline(pid):
@@ -137,7 +129,7 @@ def _kill_all(pids, timeout=5.0):
         except OSError:
             pass
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

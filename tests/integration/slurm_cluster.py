@@ -136,7 +136,8 @@ def daemon_pids(name):
     return sorted(pids)
 
 
-def _alive(pid):
+def alive(pid):
+    """Whether process `pid` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -149,7 +150,7 @@ def _read_pid(path):
         pid = int(Path(path).read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return pid if _alive(pid) else None
+    return pid if alive(pid) else None
 
 
 def _tail(path, lines=40):
@@ -488,15 +489,15 @@ class SlurmCluster:
         if self._started_munged:
             munged_pid = _read_pid(PIDFILES["munged"])
             _run(["runuser", "-u", "munge", "--", which("munged"), "--stop"], timeout=15)
-            if munged_pid is not None and not _wait_until(lambda: not _alive(munged_pid), 10):
+            if munged_pid is not None and not _wait_until(lambda: not alive(munged_pid), 10):
                 self._log(f"munged (pid {munged_pid}) outlived munged --stop: SIGKILL")
                 os.kill(munged_pid, signal.SIGKILL)
-                _wait_until(lambda: not _alive(munged_pid), 5)
+                _wait_until(lambda: not alive(munged_pid), 5)
             self._started_munged = False
         for d in ("slurmctld", "slurmd"):
             if daemon_pids(d):
                 problems.append(f"{d} still running: {daemon_pids(d)}")
-        if munged_pid is not None and _alive(munged_pid):
+        if munged_pid is not None and alive(munged_pid):
             problems.append(f"munged (pid {munged_pid}) still running")
         if self._conf_written:
             if _is_ours(CONF):
