@@ -73,8 +73,8 @@ def job_env(hosts):
     newline"), so a long `cmd=put` line (values up to the vallen_max=1024 it announces) can be
     split and its rest parsed as a request of its own. slurmstepd then logs "mpi/pmi2: value not
     properly terminated in client request" and "invalid client request", and the job fails in
-    MPI_Init or hangs. With lo in the addresses as well, 3 of 4 launches of the check script
-    failed so; with eth0 only, none of 14 (docs/clusters.md, section 10)."""
+    MPI_Init or hangs. With lo in the addresses as well, 4 of 6 launches of the check script
+    failed so; with eth0 only, none of 15 (docs/clusters.md, section 10)."""
     return {k: v for k, v in hosts.env(UCX_TLS="self,tcp", UCX_NET_DEVICES="eth0").items()
             if not k.startswith(LAUNCHER_PREFIXES + ("PYTEST_",))}
 
