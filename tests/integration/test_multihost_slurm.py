@@ -79,12 +79,21 @@ def job_env(hosts):
             if not k.startswith(LAUNCHER_PREFIXES + ("PYTEST_",))}
 
 
+# What slurmstepd says when its pmi2 plugin split a request (job_env's docstring). A launch that
+# failed with one of these is Slurm's bug, not mpidp's: it is tried again, twice at most.
+PMI_SPLIT = ("value not properly terminated in client request", "invalid client request",
+             "request not begin with 'cmd='")
+
+
 def test_srun_pmi2_over_two_nodes_topology_and_collectives(cluster):
     hosts, _ = cluster
     tcp_to = ",".join(f"{h.name}={h.address}" for h in hosts.hosts)
-    res = hosts.run([which("srun"), "--mpi=pmi2", "-N", 2, "-n", 4, "--overcommit",
-                     "--kill-on-bad-exit=1", PY, CHECK, "hosta,hostb", 2, "--tcp-to", tcp_to],
-                    timeout=60, env=job_env(hosts))
+    for _ in range(3):
+        res = hosts.run([which("srun"), "--mpi=pmi2", "-N", 2, "-n", 4, "--overcommit",
+                         "--kill-on-bad-exit=1", PY, CHECK, "hosta,hostb", 2, "--tcp-to",
+                         tcp_to], timeout=60, env=job_env(hosts))
+        if res.returncode == 0 or not any(s in res.output for s in PMI_SPLIT):
+            break
     assert res.returncode == 0, res.output
     assert res.stdout.count("all checks passed") == 4, res.output
 
