@@ -186,7 +186,7 @@ class MultiHostCluster:
         t0 = time.monotonic()
         if not is_root():
             raise Unavailable("a multi-host test cluster needs root (network namespaces, sshd)")
-        for tool in ("ip", "unshare", "ssh-keygen"):
+        for tool in ("ip", "unshare", "nsenter", "ssh-keygen"):
             if which(tool) is None:
                 raise Unavailable(f"no `{tool}` here")
         if which("sshd") is None or which("ssh") is None:
@@ -301,6 +301,15 @@ class MultiHostCluster:
 
     def host(self, name):
         return next(h for h in self.hosts if h.name == name)
+
+    def enter(self, name):
+        """The argv prefix that runs a command on host `name` as its sshd runs: in its network
+        namespace, under its host name. nsenter rather than `ip netns exec`, which mounts a /sys
+        of the namespace without the cgroup file systems under it (slurmd then stops at "No
+        filesystem mounted on /sys/fs/cgroup")."""
+        host = self.host(name)
+        return [which("nsenter") or "nsenter", f"--net=/run/netns/{host.netns}", "unshare",
+                "--uts", "sh", "-c", f'hostname {host.name} && exec "$@"', "sh"]
 
     def ssh(self, host, command, timeout=30, check=True):
         return _run([str(self.dir / "ssh"), host, command], timeout=timeout, check=check)

@@ -22,6 +22,11 @@ What start() does (the recipe of shared/ENVIRONMENT.md, "Slurm, for real, on thi
 - One test cluster at a time per machine: start() waits (lock_timeout) for another test session's
   cluster to be stopped.
 
+`SlurmCluster(nodes=[Node(name, address, enter), ...], controller_address=...)` makes one
+slurmd per node instead, each started behind its `enter` argv prefix (into a namespace host of
+multihost_cluster.py, say) with `slurmd -N name`, its spool /var/lib/slurm/slurmd/<name>, pid
+file /run/slurmd-<name>.pid and log /var/log/slurm/slurmd-<name>.log; slurmctld stays here.
+
 Only root can do any of this (config in /etc, daemons that run jobs as any user).
 """
 
@@ -205,10 +210,40 @@ def real_memory_mb():
     return 1024
 
 
-def slurm_conf(host, cpus, memory_mb):
+class Node:
+    """A slurmd of a multi-node test cluster: its NodeName, the address slurmctld and srun reach
+    it at, and the argv prefix that runs a command on it (in its namespaces, say)."""
+
+    def __init__(self, name, address, enter=()):
+        self.name = name
+        self.address = address
+        self.enter = list(enter)
+
+    def __repr__(self):
+        return f"<node {self.name} {self.address}>"
+
+
+def slurmd_log(node=None):
+    return SLURMD_LOG if node is None else SLURMD_LOG.with_name(f"slurmd-{node}.log")
+
+
+def slurm_conf(host, cpus, memory_mb, nodes=None, controller_address=None):
+    """One node named `host` on this machine; or, with `nodes`, one slurmd per Node, whose
+    spool, pid and log paths then carry the node name (%n), as they share one file system."""
+    ctld = f"{host}({controller_address})" if controller_address else host
+    if nodes:
+        spool, pidfile = "/var/lib/slurm/slurmd/%n", "/run/slurmd-%n.pid"
+        log = slurmd_log("%n")
+        node_lines = "".join(f"NodeName={n.name} NodeAddr={n.address} CPUs={cpus} "
+                             f"RealMemory={memory_mb} State=UNKNOWN\n" for n in nodes)
+        names = ",".join(n.name for n in nodes)
+    else:
+        spool, pidfile, log = "/var/lib/slurm/slurmd", PIDFILES["slurmd"], SLURMD_LOG
+        node_lines = f"NodeName={host} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN\n"
+        names = host
     return f"""{MARKER}
 ClusterName=mpidp-test
-SlurmctldHost={host}
+SlurmctldHost={ctld}
 SlurmUser=root
 AuthType=auth/munge
 MpiDefault=pmi2
@@ -220,17 +255,17 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 ReturnToService=2
 StateSaveLocation=/var/lib/slurm/slurmctld
-SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={PIDFILES['slurmctld']}
-SlurmdPidFile={PIDFILES['slurmd']}
+SlurmdPidFile={pidfile}
 SlurmctldLogFile={SLURMCTLD_LOG}
-SlurmdLogFile={SLURMD_LOG}
+SlurmdLogFile={log}
 # Finished jobs are forgotten after 5 s instead of 300: `sbatch --wait` sleeps 2 s between polls
 # and quadruples that while it is under MinJobAge/2, so with 300 a 20 s job is noticed after 42 s;
 # with 5 it polls every 2 s.
 MinJobAge=5
-NodeName={host} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+{node_lines}PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP \
+OverSubscribe=FORCE:4
 """
 
 
@@ -260,8 +295,15 @@ class Job:
 
 
 class SlurmCluster:
-    def __init__(self, log=None):
+    """One node on this machine, or with `nodes` (Node) one slurmd per node, each started with
+    its Node.enter prefix; slurmctld runs here, and with `controller_address` the nodes reach it
+    at that address (the machine's own name may resolve to loopback, which is not here for
+    them)."""
+
+    def __init__(self, log=None, nodes=None, controller_address=None):
         self.host = node_name()
+        self.nodes = list(nodes or [])
+        self.controller_address = controller_address
         self._log = log or (lambda msg: print(f"[slurm_cluster] {msg}", file=sys.stderr))
         self._started_munged = False
         self._conf_backed_up = False
@@ -302,18 +344,31 @@ class SlurmCluster:
             self._write_conf()
             for d in STATE_DIRS:
                 os.makedirs(d, exist_ok=True)
+            for n in self.nodes:
+                os.makedirs(f"/var/lib/slurm/slurmd/{n.name}", exist_ok=True)
             # Fresh logs, so that errors shown on failure are this run's.
-            for log in (SLURMCTLD_LOG, SLURMD_LOG):
+            for log in (SLURMCTLD_LOG, *self._slurmd_logs()):
                 with open(log, "w"):
                     pass
             self.started = True
             _run([which("slurmctld"), "-c"], env=_DAEMON_ENV, check=True)
-            _run([which("slurmd")], env=_DAEMON_ENV, check=True)
+            if self.nodes:
+                for n in self.nodes:
+                    _run([*n.enter, which("slurmd"), "-N", n.name], env=_DAEMON_ENV, check=True)
+            else:
+                _run([which("slurmd")], env=_DAEMON_ENV, check=True)
             self._wait_idle(timeout)
         except BaseException:
             self.stop(check=False)
             raise
-        self._log(f"node {self.host} idle after {time.monotonic() - t0:.1f}s")
+        self._log(f"node(s) {', '.join(self.node_names())} idle after "
+                  f"{time.monotonic() - t0:.1f}s")
+
+    def node_names(self):
+        return [n.name for n in self.nodes] or [self.host]
+
+    def _slurmd_logs(self):
+        return [slurmd_log(n.name) for n in self.nodes] or [SLURMD_LOG]
 
     def _acquire_lock(self, timeout):
         fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -386,41 +441,49 @@ class SlurmCluster:
             self._log(f"{CONF} is not ours: moving it to {BACKUP} until the tests end")
             os.rename(CONF, BACKUP)
             self._conf_backed_up = True
-        text = slurm_conf(self.host, cpu_count(), real_memory_mb())
+        text = slurm_conf(self.host, cpu_count(), real_memory_mb(), self.nodes,
+                          self.controller_address)
         tmp = CONF.with_name(CONF.name + ".tmp")
         tmp.write_text(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, CONF)
         self._conf_written = True
 
-    def node_state(self):
-        rc, out = _run([which("sinfo"), "-h", "-N", "-n", self.host, "-o", "%T"], timeout=15)
+    def node_state(self, node=None):
+        rc, out = _run([which("sinfo"), "-h", "-N", "-n", node or self.host, "-o", "%T"],
+                       timeout=15)
         return out.strip() if rc == 0 else f"(sinfo rc={rc}: {out.strip()})"
 
     def _wait_idle(self, timeout):
-        resumed = False
+        resumed = set()
         deadline = time.monotonic() + timeout
-        state = ""
+        states = {}
         while time.monotonic() < deadline:
-            state = self.node_state()
-            if state == "idle":
+            states = {n: self.node_state(n) for n in self.node_names()}
+            if all(state == "idle" for state in states.values()):
                 return
-            # A node remembered as drained/down needs a nudge (ReturnToService=2 covers "down"
-            # after a restart, not an admin drain).
-            if not resumed and any(s in state for s in ("drain", "down")) and "(" not in state:
-                _run([which("scontrol"), "update", f"NodeName={self.host}", "State=RESUME"])
-                resumed = True
-            for d in ("slurmctld", "slurmd"):
-                if not daemon_pids(d):
-                    raise SlurmError(self._diagnostics(f"{d} is not running (node state: {state})"))
+            for node, state in states.items():
+                # A node remembered as drained/down needs a nudge (ReturnToService=2 covers
+                # "down" after a restart, not an admin drain).
+                if (node not in resumed and any(s in state for s in ("drain", "down"))
+                        and "(" not in state):
+                    _run([which("scontrol"), "update", f"NodeName={node}", "State=RESUME"])
+                    resumed.add(node)
+            if not daemon_pids("slurmctld"):
+                raise SlurmError(self._diagnostics(f"slurmctld is not running (nodes: {states})"))
+            if len(daemon_pids("slurmd")) < len(self.node_names()):
+                raise SlurmError(self._diagnostics(f"slurmd running {daemon_pids('slurmd')}, "
+                                                   f"not one per node (nodes: {states})"))
             time.sleep(0.5)
-        raise SlurmError(self._diagnostics(f"node {self.host} not idle after {timeout}s "
-                                           f"(sinfo says {state!r})"))
+        raise SlurmError(self._diagnostics(f"node(s) not idle after {timeout}s (sinfo says "
+                                           f"{states})"))
 
     def _diagnostics(self, headline):
-        _, info = _run([which("scontrol"), "show", "node", self.host], timeout=10)
+        _, info = _run([which("scontrol"), "show", "node", ",".join(self.node_names())],
+                       timeout=10)
+        logs = "".join(f"\n--- {log}:\n{_tail(log)}" for log in self._slurmd_logs())
         return (f"{headline}\n--- scontrol show node:\n{info}\n--- {SLURMCTLD_LOG}:\n"
-                f"{_tail(SLURMCTLD_LOG)}\n--- {SLURMD_LOG}:\n{_tail(SLURMD_LOG)}")
+                f"{_tail(SLURMCTLD_LOG)}{logs}")
 
     # -- jobs ------------------------------------------------------------------------------
 
