@@ -19,6 +19,7 @@ import torch
 
 from .launch import ROOT, SCRIPTS
 from .multihost_cluster import ClusterError, MultiHostCluster, Unavailable
+from .unavailable import skip_or_fail
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,19 +31,13 @@ PY = sys.executable
 BOUND_S = 10.0  # from a fault to the end of the whole job
 
 
-def _in_ci():
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-
-
 @pytest.fixture(scope="module")
 def cluster():
     c = MultiHostCluster(n_hosts=3)
     try:
         c.start()
     except Unavailable as e:
-        if _in_ci():
-            pytest.fail(f"CI=true but no multi-host test cluster can be built here: {e}")
-        pytest.skip(f"no multi-host test cluster here: {e}")
+        skip_or_fail("a multi-host test cluster", e)
     except ClusterError as e:
         pytest.fail(f"the multi-host test cluster did not start: {e}")
     yield c

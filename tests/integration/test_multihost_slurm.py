@@ -9,7 +9,6 @@ be had (not root, nothing to install them with) the module is skipped, except un
 where that is a failure.
 """
 
-import os
 import sys
 
 import pytest
@@ -19,21 +18,12 @@ from mpidp.config import LAUNCHER_PREFIXES
 from .launch import SCRIPTS
 from .multihost_cluster import SUBNET, ClusterError, MultiHostCluster
 from .slurm_cluster import Node, SlurmCluster, SlurmError, Unavailable, which
+from .unavailable import skip_or_fail
 
 pytestmark = pytest.mark.timeout(300)
 
 CHECK = SCRIPTS / "multihost_check.py"
 PY = sys.executable
-
-
-def _in_ci():
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-
-
-def _unavailable(e):
-    if _in_ci():
-        pytest.fail(f"CI=true but no multi-node Slurm test cluster can be built here: {e}")
-    pytest.skip(f"no multi-node Slurm test cluster here: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def cluster():
     try:
         hosts.start()
     except Unavailable as e:
-        _unavailable(e)
+        skip_or_fail("a multi-node Slurm test cluster", e)
     except ClusterError as e:
         pytest.fail(f"the multi-host test cluster did not start: {e}")
     try:
@@ -51,7 +41,7 @@ def cluster():
         try:
             slurm.start(timeout=60, lock_timeout=300)
         except Unavailable as e:
-            _unavailable(e)
+            skip_or_fail("a multi-node Slurm test cluster", e)
         except SlurmError as e:
             pytest.fail(f"Slurm over the hosts did not start: {e}")
         try:

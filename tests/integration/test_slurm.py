@@ -18,15 +18,12 @@ import pytest
 from mpidp.config import LAUNCHER_PREFIXES
 
 from .slurm_cluster import ROOT, SlurmCluster, SlurmError, Unavailable
+from .unavailable import skip_or_fail
 
 SLURM_DIR = ROOT / "examples" / "slurm"
 TRAIN = ROOT / "examples" / "train.py"
 DEMO = ROOT / "examples" / "engine_demo.py"
 JOB_TIMEOUT = 300  # per `sbatch --wait`; the job is cancelled if it runs past this
-
-
-def _in_ci():
-    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +32,7 @@ def slurm():
     try:
         cluster.start(timeout=60, lock_timeout=300)
     except Unavailable as e:
-        if _in_ci():
-            pytest.fail(f"CI=true but no Slurm to test the batch scripts with: {e}")
-        pytest.skip(f"no Slurm here: {e}")
+        skip_or_fail("Slurm to test the batch scripts with", e)
     except SlurmError as e:
         pytest.fail(f"Slurm did not start: {e}")
     yield cluster
