@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
-from .slurm_cluster import Unavailable, alive, is_root, which
+from .slurm_cluster import Unavailable, alive, apt_install, is_root, which
 
 PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
 BRIDGE = PREFIX + "0"
@@ -72,24 +72,7 @@ def install(attempts=3, timeout=600):
     apt = which("apt-get")
     if apt is None:
         raise Unavailable("sshd is not installed and there is no apt-get to install it")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    log = ""
-    for attempt in range(1, attempts + 1):
-        try:
-            subprocess.run([apt, "-qq", "update"], capture_output=True, env=env, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-            inst = subprocess.run([apt, "install", "-y", "-qq", "--no-install-recommends",
-                                   *PACKAGES], capture_output=True, text=True, env=env,
-                                  timeout=timeout, stdin=subprocess.DEVNULL)
-            log = inst.stdout + inst.stderr
-            if inst.returncode == 0 and which("sshd") and which("ssh"):
-                return
-        except subprocess.TimeoutExpired as e:
-            log = f"timed out after {timeout}s: {e.cmd}"
-        if attempt < attempts:
-            time.sleep(5 * attempt)
-    raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed {attempts} times:\n"
-                      f"{log[-2000:]}")
+    apt_install(apt, PACKAGES, lambda: which("sshd") and which("ssh"), attempts, timeout)
 
 
 def namespaces():

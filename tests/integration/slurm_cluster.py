@@ -103,6 +103,11 @@ def install(attempts=3, timeout=600):
     if apt is None:
         raise Unavailable("Slurm is not installed and there is no apt-get to install it with "
                           f"(missing: {', '.join(missing_programs())})")
+    apt_install(apt, PACKAGES, lambda: not missing_programs(), attempts, timeout)
+
+
+def apt_install(apt, packages, installed, attempts=3, timeout=600):
+    """apt-get install `packages` quietly, retried, until `installed()`; Unavailable if not."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     log = ""
     for attempt in range(1, attempts + 1):
@@ -110,16 +115,16 @@ def install(attempts=3, timeout=600):
             up = subprocess.run([apt, "-qq", "update"], capture_output=True, text=True, env=env,
                                 timeout=timeout, stdin=subprocess.DEVNULL)
             inst = subprocess.run([apt, "install", "-y", "-qq", "--no-install-recommends",
-                                   *PACKAGES], capture_output=True, text=True, env=env,
+                                   *packages], capture_output=True, text=True, env=env,
                                   timeout=timeout, stdin=subprocess.DEVNULL)
             log = up.stdout + up.stderr + inst.stdout + inst.stderr
-            if inst.returncode == 0 and not missing_programs():
+            if inst.returncode == 0 and installed():
                 return
         except subprocess.TimeoutExpired as e:
             log = f"timed out after {timeout}s: {e.cmd}"
         if attempt < attempts:
             time.sleep(5 * attempt)
-    raise Unavailable(f"apt-get install {' '.join(PACKAGES)} failed {attempts} times; last "
+    raise Unavailable(f"apt-get install {' '.join(packages)} failed {attempts} times; last "
                       f"output:\n{log[-3000:]}")
 
 
