@@ -8,6 +8,7 @@ import torch
 
 from .engine.dtypes import NAMES as _DTYPE_NAMES
 from .engine.messages import OpType, ReduceOp, Request
+from .engine.tensor_queue import is_block
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -142,3 +143,23 @@ def check_splits(splits, t: torch.Tensor, size: int, what: str) -> np.ndarray:
         raise ValueError(f"{what}: splits sum to {int(arr.sum())} but the tensor has only "
                          f"{dim0} rows along dim 0")
     return arr.astype(np.int32)
+
+
+def check_output(output, shape, t: torch.Tensor, label: str, block=None) -> None:
+    """Refuse an output tensor (ops.*_into_async) that is not contiguous, of `shape` and of
+    `t`'s dtype and device, or that overlaps the input `t` (unless `t` is exactly block number
+    `block` of it: an allgather in place)."""
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"{label}: output must be a torch.Tensor, got {type(output).__name__}")
+    if tuple(output.shape) != tuple(shape) or output.dtype != t.dtype or \
+            output.device != t.device or not output.is_contiguous():
+        raise ValueError(f"{label}: output must be a contiguous {t.dtype} tensor of shape "
+                         f"{list(shape)} on {t.device}; got {output.dtype} "
+                         f"{list(output.shape)} on {output.device}"
+                         f"{'' if output.is_contiguous() else ', not contiguous'}")
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    out_lo = output.data_ptr()
+    out_hi = out_lo + output.numel() * output.element_size()
+    if lo < out_hi and out_lo < hi and (block is None or not is_block(t, output, block)):
+        raise ValueError(f"{label}: the input overlaps the output; MPI needs them apart (or, "
+                         f"for an allgather, the input exactly this rank's block of the output)")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .waits import poll, synchronize  # noqa: F401 (mpidp.ops is where users find them)
-from .op_args import (UNNAMED, check_reduction, check_splits, check_tensor, op_name,
+from .op_args import (UNNAMED, check_output, check_reduction, check_splits, check_tensor, op_name,
                       parts_request, request, resolve_op, same_device)
 from .process_sets import member_of
 from .engine.messages import OpType, ReduceOp, Request
@@ -170,6 +170,17 @@ def allgather_async(tensor, name=None, process_set=None) -> int:
     return submit(target, entries, first_result)
 
 
+def allgather_into_async(tensor, output, name=None, process_set=None) -> int:
+    """Start gathering every rank's `tensor` (same shape on all) into `output`, rank r's as block
+    r, in place if `tensor` is this rank's block; synchronize() returns `output`."""
+    target, entries = _allgather_entries([tensor], name, "allgather", process_set)
+    t = entries[0].tensor
+    check_output(output, (target[1].size * t.shape[0],) + tuple(t.shape[1:]), t,
+                 f"allgather {entries[0].request.name!r}", target[1].rank)
+    entries[0].output = output
+    return submit(target, entries, first_result)
+
+
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     """Start allgathers of a list, submitted atomically; synchronize() returns a list."""
     target, entries = _allgather_entries(list(tensors), name, "grouped_allgather", process_set)
@@ -263,6 +274,19 @@ def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
     """Start a reduce-scatter along dim 0; the first dim0 % size ranks get one extra row."""
     target, entries = _reducescatter_entries([tensor], name, op, prescale_factor,
                                             postscale_factor, "reducescatter", process_set)
+    return submit(target, entries, first_result)
+
+
+def reducescatter_into_async(tensor, output, name=None, op=Average, process_set=None) -> int:
+    """Start reducescatter_async's op with this rank's rows written into `output` (apart from
+    `tensor`); synchronize() returns `output`."""
+    target, entries = _reducescatter_entries([tensor], name, op, 1.0, 1.0, "reducescatter",
+                                            process_set)
+    t, member = entries[0].tensor, target[1]
+    rows = t.shape[0] // member.size + (member.rank < t.shape[0] % member.size)
+    check_output(output, (rows,) + tuple(t.shape[1:]), t,
+                 f"reducescatter {entries[0].request.name!r}")
+    entries[0].output = output
     return submit(target, entries, first_result)
 
 

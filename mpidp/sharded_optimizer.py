@@ -5,12 +5,12 @@ DistributedOptimizer, one bucket per parameter group, dtype and device):
 1. when its gradients are ready, they are packed end to end and reduce-scattered (Average)
    through the engine, overlapping the rest of the backward pass: each rank gets the averaged
    gradient of its equal chunk of the bucket (shard_layout.Layout);
-2. step() steps the wrapped optimizer on this rank's chunks only (its param_groups hold one
-   chunk-long tensor per bucket in place of the parameters, so its state is 1/N of the
+2. step() steps the wrapped optimizer on this rank's chunks only (its param_groups hold each
+   chunk in pieces, shard_buffers.py, in place of the parameters, so its state is 1/N of the
    unsharded one);
-3. the updated chunks are allgathered and copied into the parameters.
-Reduce-scatter plus allgather move what one allreduce moves. stage=1 keeps every parameter's
-.grad as a view into a persistent gradient buffer (backward accumulates straight into it);
+3. the updated chunks are allgathered in place into the parameters' buffers.
+Reduce-scatter plus allgather move what one allreduce moves. stage=1 moves each gradient, as
+soon as backward makes it, into a persistent buffer per bucket (its .grad becomes a view there);
 stage=2 frees the parameters' gradients once they are packed and keeps only the reduced chunk.
 """
 
@@ -22,6 +22,7 @@ from .optimizer import DistributedOptimizer
 from .pack_pool import PackPool
 from .ops import Average
 from .process_sets import member_of
+from .shard_buffers import ShardBuffers
 from .shard_layout import Layout
 
 # torch optimizers whose state or update is not elementwise per parameter.
@@ -69,6 +70,8 @@ class ShardedOptimizer(DistributedOptimizer):
                                      runtime.state().config.bucket_bytes, group_of)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._slot = {id(b): i for i, b in enumerate(self._buckets)}
+        self._place = {p: (i, j) for i, b in enumerate(self._buckets)
+                       for j, p in enumerate(b.params)}
         self._layouts = [Layout(b.params, [position[p] for p in b.params], self._size,
                                 self._rank) for b in self._buckets]
         # Every op of this optimizer is named under one tag: a joined rank serves the tag.
@@ -76,22 +79,16 @@ class ShardedOptimizer(DistributedOptimizer):
         self._join = sharded_join.Rounds(self, self._ranks, self._rank, self._tag)
         # The parameters move into one buffer per bucket (each becomes a view of its place),
         # so this rank's shard is a view of the parameters themselves: the wrapped optimizer
-        # steps them in place and the allgather lands with one copy.
-        self._homes = [torch.zeros(lay.padded, dtype=b.params[0].dtype,
-                                   device=b.params[0].device)
-                       for lay, b in zip(self._layouts, self._buckets)]
-        for lay, home in zip(self._layouts, self._homes):
-            lay.home(home)
-        self._shards = [home[lay.start:lay.stop]
-                        for lay, home in zip(self._layouts, self._homes)]
-        self._flats = [None] * len(self._buckets)  # stage 1: persistent gradient buffers
-        self._views = [None] * len(self._buckets)  # stage 1: each parameter's .grad in it
+        # steps them in place and the allgather lands in place.
+        self._bufs = [ShardBuffers(lay, b.params[0])
+                      for lay, b in zip(self._layouts, self._buckets)]
+        self._shards = [buf.shard for buf in self._bufs]
         self._pool = PackPool(self._layouts, [b.params[0] for b in self._buckets])  # stage 2
         for gi, group in enumerate(groups):
-            group["params"] = [s for s, b in zip(self._shards, self._buckets)
-                               if group_of[b.params[0]] == gi]
+            group["params"] = [piece for buf, b in zip(self._bufs, self._buckets)
+                               if group_of[b.params[0]] == gi for piece in buf.pieces]
         if full is not None:
-            sharded_state.load_full(self._opt, self._layouts, self._shards, full)
+            sharded_state.load_full(self._opt, self._layouts, self._pieces(), full)
 
     @property
     def is_sharded(self) -> bool:
@@ -102,6 +99,16 @@ class ShardedOptimizer(DistributedOptimizer):
         return f"ShardedOptimizer({self._opt!r}, stage={self._stage})"
 
     # ---- gradient submission ----
+
+    def _hook(self, p) -> None:
+        if self._stage == 1 and not self._outside:
+            i, j = self._place[p]
+            self._bufs[i].move_grad(p, j)
+        super()._hook(p)
+
+    def _pieces(self):
+        """What the wrapped optimizer steps: each bucket's shard as a list of pieces."""
+        return [buf.pieces for buf in self._bufs]
 
     def _submit(self, bucket) -> None:
         """Pack the bucket's gradients and start their reduce-scatter."""
@@ -115,31 +122,20 @@ class ShardedOptimizer(DistributedOptimizer):
         grads = [None if p.grad is None else
                  (p.grad.to_dense() if p.grad.is_sparse else p.grad) for p in bucket.params]
         if self._stage == 1:
-            flat = self._flats[i]
-            if flat is None:
-                flat = self._flats[i] = torch.zeros(layout.padded, dtype=first.dtype,
-                                                    device=first.device)
-                self._views[i] = layout.split(flat)
-            for p, g, view in zip(bucket.params, grads, self._views[i]):
-                if g is view:
-                    continue  # backward accumulated straight into the buffer
-                if g is None:
-                    view.zero_()
-                else:
-                    view.copy_(g)
-                p.grad = view
+            flat = self._bufs[i].fill(bucket.params, grads)
         else:
             flat = layout.pack(grads, self._pool.take(i, first, layout.padded, self._collect))
             for p in bucket.params:
                 p.grad = None
-        bucket.handle = ops.reducescatter_async(flat, name=self._tag + bucket.name,
-                                                op=Average, process_set=self._process_set)
+        bucket.handle = ops.reducescatter_into_async(flat, self._bufs[i].reduced_buffer(),
+                                                     name=self._tag + bucket.name, op=Average,
+                                                     process_set=self._process_set)
 
     def _collect(self, i: int) -> None:
         """Wait for bucket i's reduce-scatter: its chunk's averaged gradient."""
         bucket = self._buckets[i]
         handle, bucket.handle = bucket.handle, None
-        self._shards[i].grad = ops.synchronize(handle)
+        self._bufs[i].set_grad(ops.synchronize(handle))
 
     def synchronize(self) -> None:
         """Submit what the hooks have not (zeros for parameters without a gradient), then wait
@@ -183,38 +179,35 @@ class ShardedOptimizer(DistributedOptimizer):
                                "gradients yet")
         self._join.announce("step", sharded_state.options(self._opt.param_groups))
         self._consolidated = None
-        # A script that gave a parameter new storage (p.data = ...) moved it out of its home.
-        for layout, home in zip(self._layouts, self._homes):
-            if not layout.homed(home):
-                layout.home(home)
+        for buf in self._bufs:
+            buf.rehome()
         self._opt.step()
         self._reduced = self._synchronized = False
-        handles = [ops.allgather_async(shard.detach(), name=f"{self._tag}{b.name}.params",
-                                       process_set=self._process_set)
-                   for shard, b in zip(self._shards, self._buckets)]
-        with torch.no_grad():
-            for home, handle in zip(self._homes, handles):
-                home.copy_(ops.synchronize(handle))
+        # In place: each shard is its rank's block of the home the others' blocks land in.
+        handles = [ops.allgather_into_async(buf.shard.detach(), buf.home,
+                                            name=f"{self._tag}{b.name}.params",
+                                            process_set=self._process_set)
+                   for buf, b in zip(self._bufs, self._buckets)]
+        for handle in handles:
+            ops.synchronize(handle)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        """Clear gradients: the shards' always; with stage=1 the parameters' gradient buffer
-        is zeroed and kept (backward accumulates into it). Refuses while reductions are in
-        flight (call step() first)."""
+        """Clear gradients: the shards' always; the parameters' as torch does (None, or zeros
+        with set_to_none=False; stage 1's buffer is kept either way, and backward's next
+        gradients are moved into it). Refuses while reductions are in flight (call step()
+        first)."""
         if self._outside or self._in_flight():
             return super().zero_grad(set_to_none)
-        for shard in self._shards:
-            shard.grad = None
-        for i, bucket in enumerate(self._buckets):
-            views = self._views[i]
-            if views is not None:
-                self._flats[i].zero_()
+        for buf, bucket in zip(self._bufs, self._buckets):
+            buf.set_grad(None)
+            views = buf.views
+            if views is not None and not set_to_none:
+                buf.flat.zero_()
             for j, p in enumerate(bucket.params):
-                if views is not None and p.grad is views[j]:
-                    continue
                 if set_to_none or p.grad is None:
                     p.grad = None
-                else:
+                elif views is None or p.grad is not views[j]:
                     p.grad.zero_()
         self._reduced = False
 
@@ -246,7 +239,7 @@ class ShardedOptimizer(DistributedOptimizer):
         load at any world size. No collective."""
         if self._outside:
             return self._opt.state_dict()
-        return sharded_state.local(self._opt, self._layouts, self._shards, self._groups(),
+        return sharded_state.local(self._opt, self._layouts, self._pieces(), self._groups(),
                                    self._size, self._rank)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -296,4 +289,4 @@ class ShardedOptimizer(DistributedOptimizer):
             raise ValueError(f"ShardedOptimizer.load_state_dict: the state's parameter groups "
                              f"hold {sizes} parameters, the optimizer's "
                              f"{[len(g) for g in self._group_indices]}")
-        sharded_state.load_full(self._opt, self._layouts, self._shards, state_dict)
+        sharded_state.load_full(self._opt, self._layouts, self._pieces(), state_dict)

@@ -44,16 +44,30 @@ def _copy(value):
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def local(opt, layouts, shards, groups, world_size: int, rank: int) -> Dict:
-    """This rank's sharded form. No collective."""
+def _shard_state(opt, parts: List[torch.Tensor]) -> Dict:
+    """The state of a shard that the wrapped optimizer holds as `parts` (consecutive 1-d
+    pieces): elementwise state joined end to end, scalar state as the first part has it."""
+    states = [opt.state.get(part, {}) for part in parts]
+    out = {}
+    for key, value in states[0].items():
+        if _is_flat(key, value, parts[0].shape):
+            out[key] = torch.cat([st[key].detach().reshape(-1) for st in states])
+        else:
+            out[key] = value
+    return out
+
+
+def local(opt, layouts, pieces_of, groups, world_size: int, rank: int) -> Dict:
+    """This rank's sharded form (`pieces_of`: each bucket's shard as the wrapped optimizer's
+    pieces). No collective."""
     pieces = {}
-    for layout, shard in zip(layouts, shards):
-        state = opt.state.get(shard, {})
+    for layout, parts in zip(layouts, pieces_of):
+        state = _shard_state(opt, parts)
         for i, at_param, at_shard, n in layout.own_pieces():
             entry = {}
             for key, value in state.items():
-                entry[key] = (value.detach()[at_shard:at_shard + n].clone()
-                              if _is_flat(key, value, shard.shape) else _copy(value))
+                entry[key] = (value[at_shard:at_shard + n].clone()
+                              if _is_flat(key, value, (layout.chunk,)) else _copy(value))
             pieces[layout.indices[i]] = {"range": [at_param, at_param + n],
                                          "shape": list(layout.params[i].shape),
                                          "state": entry}
@@ -101,16 +115,17 @@ def assemble(parts: List[Dict]) -> Dict:
     return {"state": state, "param_groups": parts[0]["param_groups"]}
 
 
-def load_full(opt, layouts, shards, full: Dict) -> None:
-    """Put the full form's state into this rank's shards and its hyper-parameters into the
-    wrapped optimizer's groups. No collective."""
+def load_full(opt, layouts, pieces_of, full: Dict) -> None:
+    """Put the full form's state into this rank's shards (`pieces_of`: each bucket's shard as
+    the wrapped optimizer's pieces) and its hyper-parameters into the wrapped optimizer's
+    groups. No collective."""
     saved, groups = full.get("param_groups"), opt.param_groups
     if not isinstance(saved, list) or len(saved) != len(groups):
         raise ValueError(f"ShardedOptimizer.load_state_dict: the state has "
                          f"{len(saved) if isinstance(saved, list) else 'no'} parameter groups, "
                          f"the optimizer {len(groups)}")
     states = {int(k): v for k, v in full.get("state", {}).items()}
-    for layout, shard in zip(layouts, shards):
+    for layout, parts in zip(layouts, pieces_of):
         keys, scalars = {}, {}
         own = layout.own_pieces()
         for i, _, _, _ in own:
@@ -124,22 +139,26 @@ def load_full(opt, layouts, shards, full: Dict) -> None:
         if mixed:
             raise ValueError(f"ShardedOptimizer.load_state_dict: parameters that share a shard "
                              f"have different {mixed}; they cannot be stepped as one")
-        new = {}
+        new = [{} for _ in parts]
+        sizes = [part.numel() for part in parts]
         for key, flat in keys.items():
             if not flat:
                 first = next(states[layout.indices[i]][key] for i, _, _, _ in own
                              if key in states.get(layout.indices[i], {}))
-                new[key] = _copy(first)
+                for entry in new:
+                    entry[key] = _copy(first)
                 continue
-            buf = torch.zeros_like(shard)
+            buf = parts[0].new_zeros(sum(sizes))
             for i, at_param, at_shard, n in own:
                 value = states.get(layout.indices[i], {}).get(key)
                 if value is not None:
                     buf[at_shard:at_shard + n].copy_(value.reshape(-1)[at_param:at_param + n])
-            new[key] = buf
-        opt.state.pop(shard, None)
-        if new:
-            opt.state[shard] = new
+            for entry, piece in zip(new, buf.split(sizes)):
+                entry[key] = piece.clone()
+        for part, entry in zip(parts, new):
+            opt.state.pop(part, None)
+            if entry:
+                opt.state[part] = entry
     for group, options_of in zip(groups, saved):
         for key, value in options_of.items():
             if key != "params":

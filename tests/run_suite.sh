@@ -118,7 +118,8 @@ stage_mpi() {
 VARIANT_TESTS="${VARIANT_TESTS:-tests/mpi/test_allreduce.py tests/mpi/test_other_collectives.py \
 tests/mpi/test_async_order.py tests/mpi/test_mismatch.py tests/mpi/test_join_barrier.py \
 tests/mpi/test_autograd.py tests/mpi/test_optimizer.py tests/mpi/test_process_sets.py \
-tests/mpi/test_backends.py tests/mpi/test_hierarchical.py}"
+tests/mpi/test_backends.py tests/mpi/test_hierarchical.py tests/mpi/test_into_output.py \
+tests/mpi/test_sharded.py}"
 
 stage_variants() {
     local pytest_mpi=(python -m pytest --with-mpi -p no:cacheprovider -q --timeout=120

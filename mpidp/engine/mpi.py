@@ -283,9 +283,10 @@ def reduce_scatter_block(comm, send, recv, op) -> None:
 
 
 def allgather(comm, send, recv) -> None:
-    """Equal blocks from every rank into `recv`. Much faster than Allgatherv with equal counts
-    in MPICH 5 here (4.6 ms against 31 ms for 2 MB blocks on 2 ranks, a loaded machine)."""
-    comm.Allgather(send, recv)
+    """Equal blocks from every rank into `recv` (`send=None`: this rank's block is already in
+    place there). Much faster than Allgatherv with equal counts in MPICH 5 here (4.6 ms
+    against 31 ms for 2 MB blocks on 2 ranks, a loaded machine)."""
+    comm.Allgather(MPI.IN_PLACE if send is None else send, recv)
 
 
 # ---- point to point (Adasum's exchanges between pairs of ranks: adasum.py) ----

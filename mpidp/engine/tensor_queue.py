@@ -42,6 +42,33 @@ class Entry(Handle):
         self.name = name
 
 
+def is_block(tensor, output, index: int) -> bool:
+    """Whether `tensor` is exactly block `index` of `output` (blocks of tensor's size, end to
+    end): an allgather into `output` from it then runs in place, moving nothing locally."""
+    return (tensor.dtype == output.dtype and tensor.is_contiguous() and output.is_contiguous()
+            and tensor.data_ptr() == output.data_ptr()
+            + index * tensor.numel() * tensor.element_size())
+
+
+def given_output(entry: Entry, dims):
+    """The caller's output tensor of an allgather (ops.allgather_into_async), None if it gave
+    none. It holds equal blocks, so every rank must have given the same first dimension."""
+    if entry.output is None:
+        return None
+    if len(set(dims)) > 1:
+        raise ValueError(f"{entry.request.name!r}: an allgather into an output tensor needs the "
+                         f"same first dimension on every rank; the ranks gave {list(dims)}")
+    return entry.output
+
+
+def into_output(entry: Entry, result):
+    """`result`, in the caller's output tensor when the op has one."""
+    if entry.output is None or entry.output is result:
+        return result
+    entry.output.copy_(result)
+    return entry.output
+
+
 class TensorQueue:
     """Thread-safe table of in-flight ops plus the list of those the engine has not yet taken.
 

@@ -38,8 +38,10 @@ def entry(req, tensor, output, extra=None):
 def single(name, op, tensor, output=None, extra=None, first_dims=(), **kw):
     """A one-response batch and its entry."""
     req = request(name, op, tensor, **kw)
+    if output is None and op in (OpType.ALLREDUCE, OpType.BROADCAST):
+        output = tensor  # in place; the other ops make their output unless given one (ops.py)
     return ([Response(name, op, req, first_dims=tuple(first_dims))],
-            [entry(req, tensor, tensor if output is None else output, extra)])
+            [entry(req, tensor, output, extra)])
 
 
 def bucket(name, tensors, joined=False, **kw):
@@ -75,7 +77,7 @@ def clone_entries(entries):
             o = t if e.output is e.tensor else [x.clone() for x in e.output]
         else:
             t = e.tensor.clone()
-            o = t if e.output is e.tensor else e.output.clone()
+            o = t if e.output is e.tensor else None if e.output is None else e.output.clone()
         out.append(Entry(e.request, t, o, e.extra))
     return out
 

@@ -11,9 +11,16 @@ import torch.nn.functional as F
 
 import mpidp
 from mpi_util import assert_all, gather, raises_all, run_all
-from mpidp import checkpoint
+from mpidp import checkpoint, shard_buffers
 
 SHARD = 4  # rows per rank
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+    """Every shard here is stepped as many pieces, which do not line up with the parameters
+    (3 float64 elements each), as real models' shards are (shard_buffers.PIECE_BYTES)."""
+    monkeypatch.setattr(shard_buffers, "PIECE_BYTES", 24)
 
 
 def _model(seed=0):
@@ -114,12 +121,14 @@ def test_each_rank_holds_its_share_of_the_state(stage):
     bound = 2 * (-(-total // mpidp.size()) + buckets * mpidp.size())
     assert_all(held <= bound, f"{held} state elements held, bound {bound}")
     assert_all(gather(held) == [held] * mpidp.size(), "ranks hold unequal shares")
+    pieces = [len(g["params"]) for g in opt.param_groups]
+    assert_all(sum(pieces) > buckets, f"each shard should be stepped in pieces: {pieces}")
     grads = [p.grad for p in model.parameters()]
     if stage == 2:
         assert_all(all(g is None for g in grads), "stage 2 kept parameter gradients")
     else:
-        # stage 1: gradients are views into one buffer per bucket; the next backward
-        # accumulates into the same memory.
+        # stage 1: gradients are views into one buffer per bucket; the next backward's
+        # gradients are moved into the same memory.
         ptrs = [g.data_ptr() for g in grads]
         opt.zero_grad()
         x, y = _data(steps=1)[0][0]

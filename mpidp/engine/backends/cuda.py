@@ -98,7 +98,7 @@ class StagedBackend:
             return self._host_parts(entry)
         tensor = None if entry.tensor is None else self._to_host(entry.tensor)
         if entry.output is None or entry.output is entry.tensor:
-            output = tensor
+            output = None if entry.output is None else tensor
         else:  # every op with a separate output overwrites it: no need to copy it over
             output = torch.empty(entry.output.shape, dtype=entry.output.dtype, device="cpu",
                                  pin_memory=self.pin_memory)

@@ -18,7 +18,7 @@ import torch
 from .. import adasum, dtypes, fusion, half, mpi, scaling
 from . import hierarchy
 from ..messages import OpType, ReduceOp, Response, part_shapes
-from ..tensor_queue import Entry
+from ..tensor_queue import Entry, given_output, into_output, is_block
 
 
 def _np(t: torch.Tensor):
@@ -206,11 +206,13 @@ class HostBackend:
     def allgather(self, resp: Response, entry: Entry):
         t = entry.tensor if entry.tensor.dim() > 0 else entry.tensor.reshape(1)
         row = math.prod(t.shape[1:])
-        out = t.new_empty((sum(resp.first_dims),) + tuple(t.shape[1:]))
         dims = resp.first_dims
+        out = given_output(entry, dims)
+        if out is None:
+            out = t.new_empty((sum(dims),) + tuple(t.shape[1:]))
         if len(set(dims)) == 1:
             self._wire(t.numel() * t.element_size())
-            mpi.allgather(self.comm, _np(t), _np(out))
+            mpi.allgather(self.comm, None if is_block(t, out, self.rank) else _np(t), _np(out))
             return out
         # Unequal blocks: pad to the largest and use Allgather, then compact. MPICH 5's
         # Allgatherv is far slower than the copy (BENCHMARKS.md: 1185 ms against 31-43 ms for
@@ -260,13 +262,16 @@ class HostBackend:
         rows = uneven_counts(dim0, self.size)
         row = math.prod(t.shape[1:])
         work = scaling.work_copy(t, wide, req)
-        out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide, device=t.device)
+        out = entry.output
+        if out is None or wide is not dtype:
+            out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide,
+                              device=t.device)
         op = half.mpi_reduce_op(wide, req.reduce_op)
         self._wire(work.numel() * work.element_size())
         mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out),
                            [r * row for r in rows], op)
         self._scale_after(out, req)
-        return out if wide is dtype else out.to(dtype)
+        return into_output(entry, out if wide is dtype else out.to(dtype))
 
     # ---- dispatch ----
 
