@@ -413,6 +413,49 @@ def test_uneven_batches_then_join_equal_distributed_optimizer_with_join(stage, p
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("stage", [1, 2])
+def test_join_with_the_optimizer_on_a_process_set(stage):
+    """The optimizer works on ranks 0..n-2 with uneven data (rank r has r + 1 steps), then
+    every rank joins; the last rank, outside the set, steps alone. The members end where
+    DistributedOptimizer on the set does when the ranks out of data contribute zeros."""
+    n = mpidp.size()
+    if n < 3:
+        pytest.skip("needs a process set that is not the whole world: three ranks")
+    members = list(range(n - 1))
+    data = _data(steps=n)
+    mine = data[:1 + mpidp.rank()]
+    ps = mpidp.add_process_set(members)
+    try:
+        model, ref = _model(), _model()
+        opt = mpidp.ShardedOptimizer(_groups(model, "adamw"), model.named_parameters(),
+                                     stage=stage, process_set=ps)
+        ref_opt = mpidp.DistributedOptimizer(_groups(ref, "adamw"), ref.named_parameters(),
+                                             process_set=ps)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        for x, y in (step[0] for step in mine):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+        lasts = run_all(mpidp.join)
+        # The reference: a member out of data steps with no gradient (zeros are submitted).
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+        for i in range(n - 1 if mpidp.rank() in members else n):
+            ref_opt.zero_grad()
+            if i < len(mine):
+                F.cross_entropy(ref(mine[i][0][0]), mine[i][0][1]).backward()
+            ref_opt.step()  # not run_all: the outsider takes one step more than the members
+            ref_sched.step()
+        err = _deviation(model, ref)
+        assert_all(err < 1e-12, f"stage {stage}: max deviation {err} from the reference")
+        sums = gather([zlib.crc32(p.detach().numpy().tobytes()) for p in model.parameters()])
+        assert_all(all(s == sums[0] for s in sums[:n - 1]), "members' parameters differ")
+        assert_all(gather(lasts) == [n - 1] * n, f"join() returned {gather(lasts)}")
+    finally:
+        mpidp.remove_process_set(ps)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_join_with_global_norm_clipping(norm_type):
     def sharded(m, o, i, step):
