@@ -78,11 +78,7 @@ def _path(text: str) -> str:
     return text.strip()
 
 
-def _log_level(text: str) -> str:
-    low = text.strip().lower()
-    if low not in ("trace", "debug", "info", "warning", "error", "fatal"):
-        raise ValueError("expected one of trace, debug, info, warning, error, fatal")
-    return low
+_log_level = _choice("trace", "debug", "info", "warning", "error", "fatal")
 
 
 KNOBS: Tuple[Knob, ...] = (
@@ -113,6 +109,11 @@ KNOBS: Tuple[Knob, ...] = (
          "parameters are on the CPU and a rank's share of the host's cores is no more than "
          "torch's threads, where overlapping slowed training steps by 5-80 % here "
          "(BENCHMARKS.md).", must_agree=False),
+    Knob("keep_freed_memory", "MPIDP_KEEP_FREED_MEMORY", _parse_bool, True,
+         "1: init() tells glibc's malloc to keep freed blocks below 256 MiB for reuse instead of "
+         "giving them back and page-faulting them in again every step (Adam training steps ran "
+         "5-20 % faster here, peak memory unchanged; BENCHMARKS.md); 0, or the environment "
+         "setting malloc's thresholds, leaves malloc alone.", must_agree=False),
     Knob("cache_capacity", "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
          "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
          horovod="HOROVOD_CACHE_CAPACITY"),

@@ -5,7 +5,7 @@ import os
 import threading
 from typing import Optional
 
-from . import config as _config, set_registry, uncaught
+from . import config as _config, malloc_reuse, set_registry, uncaught
 from .member import Member
 from .engine.handles import HandleTable
 from .errors import ConfigError, MpidpError, NotInitializedError
@@ -152,6 +152,8 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         if comm is not None and base is not comm:
             base.Free()
         _configure_log(comms.rank, comms.size, cfg.log_level)
+        if cfg.keep_freed_memory:
+            malloc_reuse.keep_freed_memory()
         uncaught.install_abort_hook(cfg.abort_on_error)
         _warn_lonely_world(comms.size)
         if comms.rank == 0:  # once per job: the ranks of a job share their environment

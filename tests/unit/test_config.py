@@ -18,6 +18,7 @@ DEFAULTS = {
     "cycle_time_ms": 0.0,
     "bucket_bytes": 25 * MiB,
     "overlap": "auto",
+    "keep_freed_memory": True,
     "cache_capacity": 1024,
     "stall_warning_s": 60.0,
     "stall_shutdown_s": 0.0,
@@ -75,6 +76,7 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
     ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
     ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
     ("MPIDP_OVERLAP", "overlap", "0", "0"),
+    ("MPIDP_KEEP_FREED_MEMORY", "keep_freed_memory", "0", False),
     ("MPIDP_BUCKET_BYTES", "bucket_bytes", "1048576", 1048576),
     ("MPIDP_CACHE_CAPACITY", "cache_capacity", "0", 0),
     ("MPIDP_STALL_WARNING_S", "stall_warning_s", "0", 0.0),
@@ -219,7 +221,7 @@ def test_agreed_items_excludes_log_level():
     assert "log_level" not in fields
     local = {"log_level", "abort_on_error", "timeline_path", "timeline_mark_cycles",
              "autotune_log", "autotune_warmup_samples", "autotune_samples_per_point",
-             "autotune_sample_s", "elastic_checkpoint", "overlap"}
+             "autotune_sample_s", "elastic_checkpoint", "overlap", "keep_freed_memory"}
     assert set(fields) == set(DEFAULTS) - local
     assert dict(cfg.agreed_items())["cache_capacity"] == 1024
 
