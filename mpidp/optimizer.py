@@ -1,13 +1,12 @@
 """DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets when ready."""
 
 import contextlib
-import functools
 import warnings
 from typing import Dict
 
 import torch
 
-from . import op_args, ops, overlap, runtime
+from . import op_args, ops, overlap, pass_guard, runtime
 from .sparse import SparseGradients, sparse_allreduce_async
 from .buckets import Bucket, group_ids, make_buckets, named
 from .process_sets import is_outside, member_of
@@ -76,16 +75,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       group_ids(self._names, num_groups, groups),
                                       runtime.state().config.bucket_bytes)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._overlap = overlap.decide(runtime.state(), trained)
         self._passes: Dict[torch.nn.Parameter, int] = {}
-        self._synchronized = False
-        self._should_sync = True
-        self._counting = True
-        self._warned_double_sync = False
-        # The tensor hook refuses a gradient too many before torch adds it to .grad: after
-        # accumulation it would already have changed a .grad whose reduction may be in flight.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in trained] + \
-            [p.register_hook(functools.partial(self._before_accumulation, p)) for p in trained]
+        self._synchronized, self._should_sync = False, True
+        self._counting, self._warned_double_sync = True, False
+        self._hooks = [p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook))
+                       for p in trained]
+        self._guards = pass_guard.Guards(trained, self._before_accumulation)
+        self._overlap = overlap.decide(runtime.state(), trained)
+
+    @property
+    def _overlap(self) -> bool:
+        """Whether buckets are submitted during backward (the `overlap` knob)."""
+        return self._overlapping
+
+    @_overlap.setter
+    def _overlap(self, flag: bool) -> None:
+        self._overlapping = bool(flag)
+        self._guards.set(self._overlapping)
 
     # ---- attribute pass-through ----
 
@@ -143,12 +149,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes_per_step = passes
 
     def _too_many_passes(self, p) -> RuntimeError:
-        return RuntimeError(
-            f"DistributedOptimizer: parameter {self._names[p]!r} got a gradient from "
-            f"another backward pass after its gradient was submitted for reduction (after "
-            f"{self._passes_per_step} backward pass(es) and before optimizer.step()). Call "
-            f"optimizer.step() or optimizer.synchronize() before the next backward pass, or "
-            f"accumulate passes with DistributedOptimizer(backward_passes_per_step=N)")
+        return pass_guard.too_many_passes(self._names[p], self._passes_per_step,
+                                          self._overlap)
 
     def _before_accumulation(self, p, grad) -> None:
         if self._counting and self._passes.get(p, 0) >= self._passes_per_step:

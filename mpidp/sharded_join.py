@@ -137,8 +137,10 @@ class _Registry:
         self.latest = None  # a weak reference to the optimizer created or stepped last
 
     def __call__(self):
+        # A weak reference: the optimizer the script has dropped is gone (its hooks hold it
+        # weakly, pass_guard.weak), and serving it would wait for peers that left it behind.
         opt = self.latest() if self.latest is not None else None
-        return _Server(opt) if opt is not None else None
+        return _Server(opt) if opt is not None and not opt._outside else None
 
 
 def _registry() -> _Registry:

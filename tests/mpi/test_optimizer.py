@@ -482,15 +482,19 @@ def test_all_parameters_frozen_is_a_no_op():
 
 
 @pytest.mark.mpi
-def test_second_backward_before_step_raises_naming_parameter_and_remedies():
+@pytest.mark.parametrize("overlapping", [True, False])
+def test_second_backward_before_step_raises_naming_parameter_and_remedies(overlapping):
     model = _model()
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
+    opt._overlap = overlapping  # what MPIDP_OVERLAP=1 / 0 decides
     (x, y), = _data(steps=1, micro=1)[0]
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()
-    # Let the first pass's reduction finish and land in .grad: a refused pass must not have
-    # added its gradient to it (the replicas would differ from here on).
+    # Overlapping, let the first pass's reduction finish and land in .grad: a refused pass must
+    # not have added its gradient to it (the replicas would differ from here on). Not
+    # overlapping, nothing is in flight and the pass is refused after torch added it.
     time.sleep(0.3)
+    before = [p.grad.clone() for p in model.parameters()]
     err = ""
     try:
         F.cross_entropy(model(_shard(x)), _shard(y)).backward()
@@ -498,6 +502,8 @@ def test_second_backward_before_step_raises_naming_parameter_and_remedies():
         err = str(exc)
     words = ["parameter '", "another backward pass", "synchronize()", "backward_passes_per_step"]
     assert_all(all(w in err for w in words), f"message {err!r} lacks one of {words}")
+    kept = all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    assert_all(kept == overlapping, f"overlapping={overlapping}: .grad kept is {kept}")
     run_all(opt.step)  # what was submitted still completes; the next step works
     opt.zero_grad()
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()
@@ -608,3 +614,24 @@ def test_sparse_gradients_are_reduced_sparse(bag):
     err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     assert_all(err < 1e-10 and all(seen_sparse), f"deviation {err}, sparse grads {seen_sparse}")
     _assert_replicas_bitwise(model, "sparse")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["DistributedOptimizer", "ShardedOptimizer"])
+def test_a_dropped_optimizer_is_freed_and_its_hooks_do_nothing(kind):
+    """The hooks on the parameters hold the optimizer weakly: once the script drops it, it is
+    freed at once (join() then never serves a dead ShardedOptimizer), and a later backward
+    through the same parameters leaves their gradients alone."""
+    import weakref
+    model = _model()
+    opt = getattr(mpidp, kind)(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+    (x, y), = _data(steps=1, micro=1)[0]
+    F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+    run_all(opt.step)
+    gone = weakref.ref(opt)
+    del opt
+    freed = gone() is None
+    model.zero_grad()
+    F.cross_entropy(model(_shard(x)), _shard(y)).backward()  # no hook may act, or fail
+    assert_all(freed, f"{kind} outlived the script's last reference")
