@@ -39,8 +39,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
 from .slurm_cluster import Unavailable, alive, apt_install, is_root, which
+from .unavailable import skip_or_fail
 
 PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
 BRIDGE = PREFIX + "0"
@@ -430,3 +433,16 @@ def main(argv):
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def started(n_hosts: int, what: str) -> "MultiHostCluster":
+    """A started cluster of `n_hosts` for a test module's fixture; skips the module (fails it
+    under CI=true) when one cannot be had here, and fails it when one does not start."""
+    cluster = MultiHostCluster(n_hosts=n_hosts)
+    try:
+        cluster.start()
+    except Unavailable as e:
+        skip_or_fail(what, e)
+    except ClusterError as e:
+        pytest.fail(f"the multi-host test cluster did not start: {e}")
+    return cluster

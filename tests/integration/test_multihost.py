@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from .launch import ROOT, SCRIPTS
-from .multihost_cluster import ClusterError, MultiHostCluster, Unavailable
-from .unavailable import skip_or_fail
+from .multihost_cluster import started
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,13 +32,7 @@ BOUND_S = 10.0  # from a fault to the end of the whole job
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = MultiHostCluster(n_hosts=3)
-    try:
-        c.start()
-    except Unavailable as e:
-        skip_or_fail("a multi-host test cluster", e)
-    except ClusterError as e:
-        pytest.fail(f"the multi-host test cluster did not start: {e}")
+    c = started(3, "a multi-host test cluster")
     yield c
     c.stop()  # raises if a namespace or link survives
 

@@ -16,7 +16,7 @@ import pytest
 from mpidp.config import LAUNCHER_PREFIXES
 
 from .launch import SCRIPTS
-from .multihost_cluster import SUBNET, ClusterError, MultiHostCluster
+from .multihost_cluster import SUBNET, started
 from .slurm_cluster import Node, SlurmCluster, SlurmError, Unavailable, which
 from .unavailable import skip_or_fail
 
@@ -28,13 +28,7 @@ PY = sys.executable
 
 @pytest.fixture(scope="module")
 def cluster():
-    hosts = MultiHostCluster(n_hosts=2)
-    try:
-        hosts.start()
-    except Unavailable as e:
-        skip_or_fail("a multi-node Slurm test cluster", e)
-    except ClusterError as e:
-        pytest.fail(f"the multi-host test cluster did not start: {e}")
+    hosts = started(2, "a multi-node Slurm test cluster")
     try:
         nodes = [Node(h.name, h.address, hosts.enter(h.name)) for h in hosts.hosts]
         slurm = SlurmCluster(nodes=nodes, controller_address=f"{SUBNET}.1")

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from .launch import run
+from .launch import SCRIPTS, run
 
 # Run on every rank. Writes rank<N>.json into the directory argv[1]: the listening sockets before
 # mpidp, after init() and the ops, after shutdown(), and whether the detector saw sockets opened
@@ -14,24 +14,16 @@ from .launch import run
 SCRIPT = textwrap.dedent('''
     import json, os, socket, sys, tempfile
 
+    sys.path.insert(0, SCRIPTS)
+    from proc_sockets import socket_inodes
     from mpi4py import MPI
     import torch
 
-    def own_socket_inodes():
-        inodes = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(int(target[8:-1]))
-        return inodes
 
     def listening():
         """(kind, address, inode) of this process's listening TCP and Unix sockets and bound
         UDP sockets."""
-        mine, found = own_socket_inodes(), set()
+        mine, found = socket_inodes(), set()
         for kind in ("tcp", "tcp6", "udp", "udp6"):
             try:
                 with open(f"/proc/net/{kind}") as f:
@@ -102,7 +94,7 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("n", [2, 3])
 def test_mpidp_adds_no_listening_socket(n, tmp_path):
     script = tmp_path / "listening_sockets.py"
-    script.write_text(SCRIPT)
+    script.write_text(f"SCRIPTS = {str(SCRIPTS)!r}\n" + SCRIPT)
     res = run(n, script, tmp_path, timeout=120)
     assert res.returncode == 0, res.output
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from .launch import ROOT, clean_shm, run, shm_files
+from .launch import ROOT, SCRIPTS, clean_shm, run, shm_files
 
 ENV_SCRIPT = ROOT / "tests" / "run_tcp_env.sh"
 
@@ -15,7 +15,9 @@ ENV_SCRIPT = ROOT / "tests" / "run_tcp_env.sh"
 # the bytes its TCP connections received during the 4 MB allreduce (the kernel's
 # tcpi_bytes_received, at offset 128 of struct tcp_info, Linux 4.1 and later).
 JOB = r'''
-import json, os, socket, struct
+import json, os, socket, struct, sys
+sys.path.insert(0, SCRIPTS)
+from proc_sockets import socket_inodes
 from mpi4py import MPI
 import torch
 import mpidp
@@ -52,19 +54,8 @@ for numel in (7, BIG):
     got = received() - before
     ok = ok and bool(torch.all(out == size * (size + 1) / 2))
 
-def inodes():
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            found.add(target[8:-1])
-    return found
-
 def established():
-    mine, pairs = inodes(), []
+    mine, pairs = socket_inodes(), []
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
@@ -73,7 +64,7 @@ def established():
             continue
         for row in rows:
             col = row.split()
-            if col[3] == "01" and col[9] in mine:   # 01: ESTABLISHED
+            if col[3] == "01" and int(col[9]) in mine:   # 01: ESTABLISHED
                 pairs.append((col[1], col[2]))
     return pairs
 
@@ -97,7 +88,7 @@ mpidp.shutdown()
 @pytest.fixture
 def job(tmp_path):
     path = tmp_path / "tcp_job.py"
-    path.write_text(JOB)
+    path.write_text(f"SCRIPTS = {str(SCRIPTS)!r}\n" + JOB)
     before = shm_files()
     yield path
     clean_shm(before)

@@ -18,6 +18,7 @@ import sys
 import torch
 
 import mpidp
+from proc_sockets import socket_inodes  # this script's directory is on sys.path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("hosts")
@@ -109,19 +110,12 @@ check(torch.equal(after, torch.full((2,), float(size))), "allreduce after the mi
 # -- where the bytes went: TCP connections held by this process ----------------------------------
 def tcp_peers():
     """Remote IPv4 addresses of the ESTABLISHED TCP connections of this process's sockets."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = socket_inodes()
     peers = set()
     with open("/proc/self/net/tcp") as f:
         for row in f.read().splitlines()[1:]:
             col = row.split()
-            if col[3] == "01" and col[9] in inodes:
+            if col[3] == "01" and int(col[9]) in inodes:
                 ip = col[2].split(":")[0]
                 peers.add(socket.inet_ntoa(bytes.fromhex(ip)[::-1]))
     return sorted(peers)
