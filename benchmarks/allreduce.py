@@ -7,8 +7,11 @@ Cases: ResNet-18's 62 gradient tensors (11,689,512 float32) and single float32 t
 64 MB. Contenders, run once each per round, in an order that rotates from round to round:
 
   mpidp          allreduce_async_(t, name=..., op=Sum) for every tensor, then synchronize() each
-  mpidp_bucket   (sets of tensors) grouped_allreduce_async_ of the whole set: one op, as
-                 DistributedOptimizer submits a gradient bucket
+  mpidp_grouped  (sets of tensors) grouped_allreduce_async_ of the whole set, then synchronize():
+                 one op, every tensor checked at every call (the public API)
+  mpidp_bucket   (sets of tensors) the whole set as one op submitted as DistributedOptimizer
+                 submits a gradient bucket: checked at the first call, whose request later
+                 calls reuse (ops.bucket_allreduce_async_)
   raw_per_tensor one comm.Allreduce(IN_PLACE) per tensor
   raw_fused      copy every tensor into one buffer, one Allreduce, copy back
   raw_fused_4M   the same buffer reduced in 4 MB chunks (one Allreduce per chunk)
@@ -154,9 +157,28 @@ def mpidp_run(tensors, prefix, op):
         mpidp.synchronize(h)
 
 
-def mpidp_bucket(tensors, prefix, op):
-    """The whole set as one op, as DistributedOptimizer submits a gradient bucket."""
-    mpidp.synchronize(mpidp.grouped_allreduce_async_(tensors, name=f"{prefix}.bucket", op=op))
+def mpidp_grouped(tensors, prefix, op):
+    """The whole set as one op through the public grouped call."""
+    mpidp.synchronize(mpidp.grouped_allreduce_async_(tensors, name=f"{prefix}.grouped", op=op))
+
+
+class BucketOp:
+    """The whole set as one op, as DistributedOptimizer submits a gradient bucket: the first
+    call goes through grouped_allreduce_async_, later calls reuse its checked request."""
+
+    def __init__(self, tensors, prefix, op):
+        self.tensors, self.name, self.op = tensors, f"{prefix}.bucket", op
+        self.request = self.cache_key = None
+
+    def __call__(self):
+        if self.request is None:
+            handle = mpidp.grouped_allreduce_async_(self.tensors, name=self.name, op=self.op)
+            entry = mpidp.runtime.state().handles.members(handle)[0]
+            self.request, self.cache_key = entry.request, entry.cache_key
+        else:
+            handle = mpidp.ops.bucket_allreduce_async_(self.request, self.tensors, None,
+                                                       self.cache_key)
+        mpidp.synchronize(handle)
 
 
 # ---- measurement ----
@@ -216,8 +238,9 @@ def case_contenders(comm, tensors, prefix, op):
     if len(tensors) == 1:
         return [("mpidp", run_mpidp), ("raw_per_tensor", raw.per_tensor),
                 ("raw_chunk_4M", raw.chunked_per_tensor)]
-    run_bucket = lambda: mpidp_bucket(tensors, prefix, op)  # noqa: E731
-    return [("mpidp", run_mpidp), ("mpidp_bucket", run_bucket),
+    run_grouped = lambda: mpidp_grouped(tensors, prefix, op)  # noqa: E731
+    return [("mpidp", run_mpidp), ("mpidp_grouped", run_grouped),
+            ("mpidp_bucket", BucketOp(tensors, prefix, op)),
             ("raw_per_tensor", raw.per_tensor), ("raw_fused", raw.fused),
             ("raw_fused_4M", raw.fused_chunked), ("raw_hybrid", raw.hybrid)]
 
@@ -228,8 +251,9 @@ def summarize(samples):
     best = min(raws, key=raws.get)
     out = {"median_s": med, "best_raw": best, "ratio": med["mpidp"] / raws[best],
            "samples_s": samples}
-    if "mpidp_bucket" in med:
-        out["ratio_bucket"] = med["mpidp_bucket"] / raws[best]
+    for label in ("mpidp_grouped", "mpidp_bucket"):
+        if label in med:
+            out["ratio_" + label[len("mpidp_"):]] = med[label] / raws[best]
     return out
 
 
@@ -390,8 +414,8 @@ def report(res):
                                   if k in ("fusion_threshold_bytes", "fuse_below_bytes",
                                            "chunk_bytes", "cycle_time_ms",
                                            "bucket_bytes")))
-    labels = ["mpidp", "mpidp_bucket", "raw_per_tensor", "raw_fused", "raw_fused_4M",
-              "raw_hybrid", "raw_chunk_4M"]
+    labels = ["mpidp", "mpidp_grouped", "mpidp_bucket", "raw_per_tensor", "raw_fused",
+              "raw_fused_4M", "raw_hybrid", "raw_chunk_4M"]
     head = f"{'case':>10} " + " ".join(f"{lab:>14}" for lab in labels) + \
            f" {'best raw':>14} {'mpidp/best':>10}"
     print(head)
@@ -401,9 +425,10 @@ def report(res):
         print(f"{name:>10} {cells} {c['best_raw']:>14} {c['ratio']:>10.2f}")
     if "resnet18" in res["cases"]:
         c = res["cases"]["resnet18"]
-        r = min(c["ratio"], c.get("ratio_bucket", c["ratio"]))
-        print(f"ResNet-18 set: per-tensor ops {c['ratio']:.2f} x best raw, one bucket op "
-              f"{c.get('ratio_bucket', float('nan')):.2f} x; goal <= 1.05 x best raw: "
+        r = c.get("ratio_bucket", float("nan"))
+        print(f"ResNet-18 set: per-tensor ops {c['ratio']:.2f} x best raw, one grouped call "
+              f"{c.get('ratio_grouped', float('nan')):.2f} x, one bucket op as the optimizer "
+              f"submits it {r:.2f} x; goal (bucket op) <= 1.05 x best raw: "
               f"{'MET' if r <= 1.05 else 'NOT MET'}")
     if "latency4" in res:
         lat = res["latency4"]

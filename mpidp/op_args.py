@@ -34,7 +34,22 @@ def check_tensor(tensor, what: str, inplace: bool) -> torch.Tensor:
                              f"strides {tensor.stride()}); call .contiguous() and use the result, "
                              f"or use the out-of-place form, which copies")
         tensor = tensor.contiguous()
-    return tensor.detach()
+    # Only a tensor that requires grad needs the alias: in-place writes to it would be refused.
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def check_tensors(tensors, what: str, label, inplace: bool) -> List[torch.Tensor]:
+    """check_tensor() of each of `tensors`, `label(i)` naming tensor i in the message (made only
+    for a tensor that fails). The common case, a contiguous tensor of a supported dtype on the
+    host or a GPU, costs a few attribute reads: a bucket has many tensors."""
+    checked = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided \
+                and t.dtype in _DTYPE_NAMES and (t.is_cpu or t.is_cuda) and t.is_contiguous():
+            checked.append(t.detach() if t.requires_grad else t)
+        else:
+            checked.append(check_tensor(t, f"{what} {label(i)!r}", inplace))
+    return checked
 
 
 def same_device(tensors: List[torch.Tensor], what: str) -> None:
@@ -84,6 +99,17 @@ def check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
     if op == Adasum and not tensor.is_floating_point():
         raise TypeError(f"{what}: Adasum is defined for float16, bfloat16, float32 and float64 "
                         f"tensors, not {tensor.dtype}; cast the tensor or use mpidp.Sum")
+
+
+def check_reductions(tensors, op: ReduceOp, pre: float, post: float, what: str, label) -> int:
+    """check_reduction() for each dtype among `tensors` (the checks depend on nothing else),
+    `label(i)` naming the first tensor of the dtype; returns the number of dtypes."""
+    first = {}
+    for i, t in enumerate(tensors):
+        first.setdefault(t.dtype, i)
+    for i in first.values():
+        check_reduction(tensors[i], op, pre, post, f"{what} {label(i)!r}")
+    return len(first)
 
 
 UNNAMED = "<unnamed>"  # stands in for the number an unnamed op draws once it is accepted

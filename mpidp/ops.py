@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from .waits import poll, synchronize  # noqa: F401 (mpidp.ops is where users find them)
-from .op_args import (UNNAMED, check_output, check_reduction, check_splits, check_tensor, op_name,
-                      parts_request, request, resolve_op, same_device)
+from .op_args import (UNNAMED, check_output, check_reduction, check_splits, check_tensor,
+                      check_reductions, check_tensors, op_name, parts_request, request,
+                      resolve_op, same_device)
 from .process_sets import member_of
 from .engine.messages import OpType, ReduceOp, Request
 from .engine.tensor_queue import Entry
@@ -77,22 +78,22 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
     target = member_of(process_set, what)
     reduce_op = resolve_op(average, op, what, target[1].size)
     base, cacheable = op_name(name, what)
-    checked, outs = [], []
-    for i, tensor in enumerate(tensors):
-        label = base if len(tensors) == 1 and what == "allreduce" else f"{base}.{i}"
-        t = check_tensor(tensor, f"{what} {label!r}", inplace)
-        check_reduction(t, reduce_op, prescale_factor, postscale_factor, f"{what} {label!r}")
-        checked.append(t)
-        outs.append(t if inplace else torch.empty_like(t))
+    one = len(tensors) == 1 and what == "allreduce"
+
+    def label(i):  # tensor i's name in an error message, made only for one
+        return base if one else f"{base}.{i}"
+    checked = check_tensors(tensors, what, label, inplace)
+    n_dtypes = check_reductions(checked, reduce_op, prescale_factor, postscale_factor, what,
+                                label)
+    outs = checked if inplace else [torch.empty_like(t) for t in checked]
     same_device(checked, what)
     if not checked:
         return target, []
-    if what == "allreduce" or len({t.dtype for t in checked}) > 1:
+    if what == "allreduce" or n_dtypes > 1:
         entries = []
         for i, (t, out) in enumerate(zip(checked, outs)):
-            label = base if what == "allreduce" else f"{base}.{i}"
-            req = request(label, cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
-                           postscale_factor)
+            req = request(label(i), cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
+                          postscale_factor)
             entries.append(new_entry(req, [t], [out]))
         return target, entries
     req = parts_request(base, cacheable, checked, reduce_op, prescale_factor, postscale_factor)

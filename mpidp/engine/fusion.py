@@ -1,6 +1,7 @@
 """Fusion policy, from metadata only: which allreduces share a buffer, which parts are packed."""
 
 import math
+import operator
 from typing import Dict, List, Tuple
 
 from .dtypes import ITEMSIZE as _ITEMSIZE
@@ -56,6 +57,22 @@ def plan(responses: List[Response], fuse_below_bytes: int,
     return batches
 
 
+class PartGroup:
+    """Parts of a batch reduced together: packed into one buffer, or one part in place."""
+
+    __slots__ = ("packed", "idx", "shapes", "numels", "total", "bound")
+
+    def __init__(self, packed: bool, idx: List[int], shapes: List[Tuple[int, ...]]):
+        self.packed = packed
+        self.idx = idx
+        self.shapes = [shapes[i] for i in idx]
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.total = sum(self.numels)
+        # The data path's views of its fusion buffer for this group (the same every step of a
+        # cached bucket): (buffer, flat, views), rebuilt when the buffer is replaced.
+        self.bound = None
+
+
 class PartPlanner:
     """How the parts of one batch are reduced: groups of part indices, each either packed into
     one buffer (small parts, at most the threshold together) or a single part reduced in place.
@@ -67,41 +84,46 @@ class PartPlanner:
     _LIMIT = 1024
 
     def __init__(self):
-        self._memo: Dict[tuple, Tuple[List[Response], tuple, List[Tuple[bool, List[int]]]]] = {}
+        self._memo: Dict[tuple, Tuple[List[Response], tuple, List[PartGroup]]] = {}
 
     def __call__(self, batch: List[Response], fuse_below_bytes: int,
-                 fusion_threshold_bytes: int) -> Tuple[List[Tuple[int, ...]],
-                                                       List[Tuple[bool, List[int]]]]:
-        """(shapes of every part in order, [(packed, [part indices])...])."""
-        key = tuple(id(r) for r in batch)
+                 fusion_threshold_bytes: int) -> List[PartGroup]:
+        """The groups, in the order they are reduced (every rank the same)."""
+        key = tuple(map(id, batch))
         limits = (fuse_below_bytes, fusion_threshold_bytes)
         hit = self._memo.get(key)
-        if hit is not None and hit[1] == limits and all(a is b for a, b in zip(hit[0], batch)):
+        if hit is not None and hit[1] == limits and all(map(operator.is_, hit[0], batch)):
             return hit[2]
         if len(self._memo) >= self._LIMIT:
             self._memo.clear()
         shapes = [s for r in batch for s in part_shapes(r.request)]
-        item = _ITEMSIZE[batch[0].request.dtype]
-        sizes = [math.prod(s) * item for s in shapes]
-        groups: List[Tuple[bool, List[int]]] = []
-        packed: List[int] = []
-        packed_bytes = 0
-        if len(batch) > 1:  # a batch that plan() fused is packed whole, as plan() sized it
-            sizes = []
-            groups.append((True, list(range(len(shapes)))))
-        for i, size in enumerate(sizes):
-            small = fusion_threshold_bytes > 0 and size < fuse_below_bytes \
-                and size <= fusion_threshold_bytes
-            if not small:
-                groups.append((False, [i]))
-                continue
-            if packed and packed_bytes + size > fusion_threshold_bytes:
-                groups.append((True, packed))
-                packed, packed_bytes = [], 0
-            packed.append(i)
-            packed_bytes += size
-        if packed:
+        groups = [PartGroup(packed, idx, shapes)
+                  for packed, idx in _groups(batch, shapes, fuse_below_bytes,
+                                             fusion_threshold_bytes)]
+        self._memo[key] = (list(batch), limits, groups)
+        return groups
+
+
+def _groups(batch: List[Response], shapes, fuse_below_bytes: int,
+            fusion_threshold_bytes: int) -> List[Tuple[bool, List[int]]]:
+    item = _ITEMSIZE[batch[0].request.dtype]
+    if len(batch) > 1:  # a batch that plan() fused is packed whole, as plan() sized it
+        return [(True, list(range(len(shapes))))]
+    groups: List[Tuple[bool, List[int]]] = []
+    packed: List[int] = []
+    packed_bytes = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape) * item
+        small = fusion_threshold_bytes > 0 and size < fuse_below_bytes \
+            and size <= fusion_threshold_bytes
+        if not small:
+            groups.append((False, [i]))
+            continue
+        if packed and packed_bytes + size > fusion_threshold_bytes:
             groups.append((True, packed))
-        result = (shapes, groups)
-        self._memo[key] = (list(batch), limits, result)
-        return result
+            packed, packed_bytes = [], 0
+        packed.append(i)
+        packed_bytes += size
+    if packed:
+        groups.append((True, packed))
+    return [g for g in groups if g[0]] + [g for g in groups if not g[0]]

@@ -194,7 +194,7 @@ def test_rows_as_bytes_shares_memory():
 
 
 def test_local_device_is_this_ranks_tensor_device():
-    from mpidp.engine.backends.host import local_device
+    from mpidp.engine.backends.parts import local_device
     batch, entries = _batch(OpType.ALLREDUCE, torch.ones(1), device="cuda:3")
     assert local_device(batch, entries) == torch.device("cpu")  # the tensor's, not the name's
     assert local_device(*_batch(OpType.ALLREDUCE, torch.ones(1))[:1], [None]) == \

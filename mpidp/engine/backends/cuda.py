@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 
 from .. import mpi_library
-from .host import local_device
+from .parts import local_device
 from ..messages import Response
 from ..tensor_queue import Entry
 

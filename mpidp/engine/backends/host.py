@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from .. import adasum, dtypes, fusion, half, mpi, scaling
-from . import hierarchy
-from ..messages import OpType, ReduceOp, Response, part_shapes
+from . import hierarchy, parts
+from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 
 
@@ -29,25 +29,11 @@ def _np(t: torch.Tensor):
     view = dtypes.MPI_VIEW.get(t.dtype)
     if view is not None:
         t = t.view(view)
-    flat = t if t.dim() == 1 else t.reshape(-1)
-    if flat.is_cuda:
+    if t.is_cuda:
         # MPI is not ordered with CUDA streams: finish the kernels that wrote this memory.
-        torch.cuda.current_stream(flat.device).synchronize()
-        return flat
-    return flat.numpy()
-
-
-def local_device(batch: List[Response], entries: List[Optional[Entry]]) -> torch.device:
-    """The device this rank runs `batch` on: its own tensors' device (the response names the
-    coordinator's, whose index may differ), or for a joined rank the current device of the kind."""
-    for entry in entries:
-        if entry is not None and entry.tensor is not None:
-            first = entry.tensor[0] if isinstance(entry.tensor, list) else entry.tensor
-            return first.device
-    kind = batch[0].request.device.split(":")[0]
-    if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(kind)
+        torch.cuda.current_stream(t.device).synchronize()
+        return t if t.dim() == 1 else t.reshape(-1)
+    return t.numpy().reshape(-1)  # numpy's reshape costs a fraction of torch's
 
 
 def uneven_counts(n: int, parts: int) -> List[int]:
@@ -64,7 +50,7 @@ class HostBackend:
         self.size = comms.size
         self.rank = comms.rank
         self.config = config
-        self._fusion = {}  # (dtype, device) -> persistent fusion buffer, grown on demand
+        self._fusion = parts.FusionBuffers()
         self._planner = fusion.PartPlanner()
         self.hierarchical = hierarchy.usable(comms, config)
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
@@ -107,31 +93,34 @@ class HostBackend:
         op = half.mpi_reduce_op(recv.dtype, req.reduce_op)
         recv_np = _np(recv)
         send_np = None if send is None else _np(send)
-        self._wire(recv.numel() * recv.element_size())
-        step = self.config.chunk_bytes // max(1, recv.element_size())
         n = recv_np.size
+        item = recv_np.itemsize
+        self._wire(n * item)
+        step = self.config.chunk_bytes // item
+        post = scaling.after_factor(req.reduce_op, req.postscale, self.size)
         if step <= 0 or n <= step:
             self._allreduce(send_np, recv_np, op)
-            self._scale_after(recv, req)
+            if post != 1.0:
+                scaling.scale_(recv, post)
             return
-        recv = recv.view(-1)  # the chunks below are flat slices
+        if post != 1.0:
+            recv = recv.view(-1)  # the chunks below are flat slices
         for lo in range(0, n, step):
-            hi = min(n, lo + step)
+            hi = lo + step
             self._allreduce(None if send_np is None else send_np[lo:hi], recv_np[lo:hi], op)
-            self._scale_after(recv[lo:hi], req)
+            if post != 1.0:
+                scaling.scale_(recv[lo:hi], post)
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
-        work = scaling.work_copy(src, self.reduce_dtype(out.dtype, out.device), req)
-        if work is not src:
+        if req.prescale == 1.0 and self.reduce_dtype(out.dtype, out.device) is src.dtype:
+            self._reduce_flat(None if out is src else src, out, req)
+        else:
+            work = scaling.work_copy(src, self.reduce_dtype(out.dtype, out.device), req)
             if self.timeline_mark:
                 self.timeline_mark("pack")
             self._reduce_flat(None, work.view(-1), req)
-            if self.timeline_mark:
-                self.timeline_mark("mpi")
             out.copy_(work)
-            return
-        self._reduce_flat(None if out is src else src, out, req)
         if self.timeline_mark:
             self.timeline_mark("mpi")
 
@@ -143,31 +132,21 @@ class HostBackend:
         self._allreduce_alone(entry.tensor[0], entry.output[0], entry.request)
         return entry.output
 
-    def _allreduce_packed(self, srcs: List[torch.Tensor], outs: List[torch.Tensor], req,
-                          device) -> None:
-        """Several tensors packed into the persistent fusion buffer, reduced as one."""
-        dtype = srcs[0].dtype
-        wide = self.reduce_dtype(dtype, device)
-        sizes = [t.numel() for t in srcs]
-        total = sum(sizes)
-        buf = self._fusion.get((wide, device))
-        if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 1024), dtype=wide, device=device)
-            self._fusion[(wide, device)] = buf
-        buf = buf[:total]
-        flat = [t.reshape(-1) for t in srcs]
-        if wide is dtype:
-            torch.cat(flat, out=buf)
-        else:
-            buf.copy_(torch.cat(flat))
+    def _allreduce_packed(self, group: fusion.PartGroup, srcs: List[torch.Tensor],
+                          outs: List[torch.Tensor], req, device) -> None:
+        """The parts of `group` packed into the persistent fusion buffer, reduced as one."""
+        idx = group.idx
+        flat, views = self._fusion.views(group, self.reduce_dtype(srcs[idx[0]].dtype, device),
+                                         device)
+        torch._foreach_copy_(views, [srcs[i] for i in idx])  # casts to the wide dtype too
         if req.prescale != 1.0:
-            scaling.scale_(buf, req.prescale)
+            scaling.scale_(flat, req.prescale)
         if self.timeline_mark:
             self.timeline_mark("pack")
-        self._reduce_flat(None, buf, req)
+        self._reduce_flat(None, flat, req)
         if self.timeline_mark:
             self.timeline_mark("mpi")
-        torch._foreach_copy_([o.view(-1) for o in outs], list(buf.split(sizes)))
+        torch._foreach_copy_([outs[i] for i in idx], views)
 
     def allreduce_batch(self, batch: List[Response], entries: List[Optional[Entry]],
                         fuse_below: int, threshold: int) -> list:
@@ -175,29 +154,15 @@ class HostBackend:
         buffer), large ones reduced in place; one result (the list of outputs) per op.
         A joined rank (entry None) reduces zeros of the agreed shapes."""
         req = batch[0].request
-        device = local_device(batch, entries)
-        srcs, outs, results = [], [], []
-        for resp, entry in zip(batch, entries):
-            if entry is None:
-                zeros = [torch.zeros(s, dtype=dtypes.BY_NAME[req.dtype], device=device)
-                         for s in part_shapes(resp.request)]
-                srcs += zeros
-                outs += zeros
-                results.append(zeros)
-            else:
-                srcs += entry.tensor
-                outs += entry.output
-                results.append(entry.output)
+        device, srcs, outs, results = parts.gather(batch, entries)
         if req.reduce_op == ReduceOp.ADASUM:  # every data path's Adasum: adasum.py
             adasum.reduce_parts(self, srcs, outs, req, threshold)
             return results
-        shapes, groups = self._planner(batch, fuse_below, threshold)
-        for packed, idx in groups:
-            if packed and len(idx) > 1:
-                self._allreduce_packed([srcs[i] for i in idx], [outs[i] for i in idx], req,
-                                       device)
+        for group in self._planner(batch, fuse_below, threshold):
+            if group.packed and len(group.idx) > 1:
+                self._allreduce_packed(group, srcs, outs, req, device)
             else:
-                for i in idx:
+                for i in group.idx:
                     self._allreduce_alone(srcs[i], outs[i], req)
         return results
 
