@@ -36,6 +36,11 @@ def _np(t: torch.Tensor):
     return t.numpy().reshape(-1)  # numpy's reshape costs a fraction of torch's
 
 
+def _host_np(t: torch.Tensor):
+    """_np() of a contiguous host tensor of a dtype MPI has, in fewer calls."""
+    return (t.detach() if t.requires_grad else t).numpy().reshape(-1)
+
+
 def uneven_counts(n: int, parts: int) -> List[int]:
     """How `n` rows split over `parts` ranks: the first n % parts ranks get one extra row."""
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
@@ -43,6 +48,10 @@ def uneven_counts(n: int, parts: int) -> List[int]:
 
 class HostBackend:
     """Executes negotiated batches on host memory; every rank runs the same batches in order."""
+
+    # Large allreduce parts of a plain host batch go to MPI as numpy views by allreduce_batch
+    # itself; a subclass that reduces through something else than _reduce_flat says False.
+    NUMPY_PARTS = True
 
     def __init__(self, comms, config):
         self.comms = comms
@@ -69,47 +78,45 @@ class HostBackend:
         """The dtype a reduction of `dtype` values runs in (dtypes.mpi_reduce_dtype)."""
         return dtypes.mpi_reduce_dtype(dtype, device)
 
-    def _allreduce(self, send, recv, op) -> None:
-        """Allreduce flat buffers (`send=None`: in place), hierarchically when enabled.
-
-        Synchronization: blocking collectives on world, or on local, cross and local again.
-        """
-        if not self.hierarchical:
-            mpi.allreduce(self.comm, send, recv, op, self.busy)
-            return
-        hierarchy.allreduce(self.comms, send, recv, op, self.busy)
-
     # ---- allreduce ----
 
     def _scale_after(self, out: torch.Tensor, req) -> None:
         scaling.scale_after(out, req, self.size)
 
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
-        """Allreduce a contiguous tensor into `recv` (in place when send is None), then scale it.
-
-        Large tensors go in cache-sized chunks, each scaled right after its reduction while it
-        is still in cache: a separate scaling pass over a big tensor costs as much as a copy.
-        """
-        op = half.mpi_reduce_op(recv.dtype, req.reduce_op)
+        """Allreduce a contiguous tensor into `recv` (in place when send is None), then scale it."""
         recv_np = _np(recv)
-        send_np = None if send is None else _np(send)
-        n = recv_np.size
-        item = recv_np.itemsize
-        self._wire(n * item)
-        step = self.config.chunk_bytes // item
-        post = scaling.after_factor(req.reduce_op, req.postscale, self.size)
+        self._reduce_np(None if send is None else _np(send), recv_np, recv,
+                        half.mpi_reduce_op(recv.dtype, req.reduce_op),
+                        scaling.after_factor(req.reduce_op, req.postscale, self.size),
+                        self.config.chunk_bytes // recv_np.itemsize)
+
+    def _reduce_np(self, send, recv, out: torch.Tensor, op, post: float, step: int) -> None:
+        """Allreduce flat buffers (`send=None`: in place), hierarchically when enabled, in
+        chunks of `step` elements, each chunk of `out` (the tensor `recv` views) multiplied by
+        `post` right after its reduction, while it is still in cache: a separate scaling pass
+        over a big tensor costs as much as a copy. Written with few calls: after a large
+        reduction has flushed the caches, each call costs several times its warm price.
+
+        Synchronization: blocking collectives on world, or on local, cross and local again.
+        """
+        if self.stats is not None:  # _wire(), inline
+            self.stats.wire_bytes += recv.nbytes
+        call, comm = (hierarchy.allreduce, self.comms) if self.hierarchical \
+            else (mpi.allreduce, self.comm)
+        n = recv.size
         if step <= 0 or n <= step:
-            self._allreduce(send_np, recv_np, op)
+            call(comm, send, recv, op, self.busy)
             if post != 1.0:
-                scaling.scale_(recv, post)
+                scaling.scale_(out, post)
             return
         if post != 1.0:
-            recv = recv.view(-1)  # the chunks below are flat slices
+            out = out.view(-1)  # the chunks below are flat slices
         for lo in range(0, n, step):
             hi = lo + step
-            self._allreduce(None if send_np is None else send_np[lo:hi], recv_np[lo:hi], op)
+            call(comm, None if send is None else send[lo:hi], recv[lo:hi], op, self.busy)
             if post != 1.0:
-                scaling.scale_(recv[lo:hi], post)
+                scaling.scale_(out[lo:hi], post)
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
@@ -158,9 +165,22 @@ class HostBackend:
         if req.reduce_op == ReduceOp.ADASUM:  # every data path's Adasum: adasum.py
             adasum.reduce_parts(self, srcs, outs, req, threshold)
             return results
+        plain = self.NUMPY_PARTS and req.prescale == 1.0 and device.type == "cpu" \
+            and srcs[0].dtype not in dtypes.MPI_VIEW
+        if plain:  # what each large part needs is the same for all: worked out once
+            op = mpi.mpi_op(req.reduce_op, srcs[0].dtype == torch.bool)
+            post = scaling.after_factor(req.reduce_op, req.postscale, self.size)
+            step = self.config.chunk_bytes // srcs[0].element_size()
         for group in self._planner(batch, fuse_below, threshold):
             if group.packed and len(group.idx) > 1:
                 self._allreduce_packed(group, srcs, outs, req, device)
+            elif plain:
+                for i in group.idx:
+                    src, out = srcs[i], outs[i]
+                    self._reduce_np(None if src is out else _host_np(src), _host_np(out), out,
+                                    op, post, step)
+                if self.timeline_mark:
+                    self.timeline_mark("mpi")
             else:
                 for i in group.idx:
                     self._allreduce_alone(srcs[i], outs[i], req)

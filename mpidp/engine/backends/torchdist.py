@@ -99,6 +99,8 @@ def open_group(comms, config, kind: str):
 class ProcessGroupBackend(HostBackend):
     """Runs negotiated batches through a torch.distributed process group (gloo or NCCL)."""
 
+    NUMPY_PARTS = False  # every part goes through _reduce_flat below
+
     def __init__(self, comms, config, group, store=None):
         super().__init__(comms, config)
         self.group = group
