@@ -9,9 +9,10 @@ Cases: ResNet-18's 62 gradient tensors (11,689,512 float32) and single float32 t
   mpidp          allreduce_async_(t, name=..., op=Sum) for every tensor, then synchronize() each
   mpidp_grouped  (sets of tensors) grouped_allreduce_async_ of the whole set, then synchronize():
                  one op, every tensor checked at every call (the public API)
-  mpidp_bucket   (sets of tensors) the whole set as one op submitted as DistributedOptimizer
-                 submits a gradient bucket: checked at the first call, whose request later
-                 calls reuse (ops.bucket_allreduce_async_)
+  mpidp_bucket   (sets of tensors) the whole set as one op submitted as DistributedOptimizer's
+                 step() submits a gradient bucket: checked at the first call, whose request
+                 later calls reuse (ops.bucket_allreduce_async_), submitted for the caller to
+                 drive (ops.blocking) and synchronized at once
   raw_per_tensor one comm.Allreduce(IN_PLACE) per tensor
   raw_fused      copy every tensor into one buffer, one Allreduce, copy back
   raw_fused_4M   the same buffer reduced in 4 MB chunks (one Allreduce per chunk)
@@ -176,8 +177,9 @@ class BucketOp:
             entry = mpidp.runtime.state().handles.members(handle)[0]
             self.request, self.cache_key = entry.request, entry.cache_key
         else:
-            handle = mpidp.ops.bucket_allreduce_async_(self.request, self.tensors, None,
-                                                       self.cache_key)
+            with mpidp.ops.blocking():  # as the optimizer's step() submits what it waits for
+                handle = mpidp.ops.bucket_allreduce_async_(self.request, self.tensors, None,
+                                                           self.cache_key)
         mpidp.synchronize(handle)
 
 

@@ -231,7 +231,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
         parameters without a gradient). Synchronization: blocks until every rank has
         submitted the same buckets."""
-        self._submit_rest()
+        with ops.blocking():  # waited for right below: run here, not handed to the engine
+            self._submit_rest()
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None

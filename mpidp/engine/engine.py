@@ -55,6 +55,7 @@ class Engine:
         self._reason: Optional[BaseException] = None  # why the engine stopped, once it has
         self._clean = True
         self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
+        self._lone = Lane()  # the band of a lone op that drive() runs as express() does
 
     # ---- user-thread side ----
 
@@ -103,6 +104,8 @@ class Engine:
             return
         try:
             self._spin = True
+            if len(entries) == 1 and self._hold(entries[0], queued=True):
+                self._guarded_cycle(entries[0], self._lone)  # express()'s first cycle
             while self._reason is None and not all(e.done() for e in entries):
                 if not self._guarded_cycle():
                     self._back_off()
@@ -143,14 +146,16 @@ class Engine:
         if self.queue.ops or self._reason is not None or self._stop:
             self.queue.notify()  # the engine thread carries on with what remains
 
-    def _hold(self, entry: Entry) -> bool:
-        """Admit `entry` as the one op in flight, on its cache bit, if express() may run it."""
+    def _hold(self, entry: Entry, queued: bool = False) -> bool:
+        """Admit `entry` as the one op in flight, on its cache bit, if express() may run it;
+        `queued`: it was submitted and nothing else was (drive() runs it as express() would)."""
         neg = self.neg
         if (self._reason is not None or self._stop or self.timeline is not None
                 or self.sampler is not None or not neg.quiet()):
             return False
         status, bit = neg.cache.lookup(entry.name, entry.cache_key)
-        if status != HIT or not self.queue.hold(entry):
+        if status != HIT or not (self.queue.take_lone(entry) if queued
+                                 else self.queue.hold(entry)):
             return False
         entry.state, entry.bit = CACHED, bit
         return True

@@ -110,6 +110,15 @@ class TensorQueue:
             self.ops[entry.request.name] = entry
             return True
 
+    def take_lone(self, entry: Entry) -> bool:
+        """Take `entry` from the queue if it is the only op in flight and not yet taken (then
+        as hold() had recorded it); False otherwise."""
+        with self._lock:
+            if self._closed is not None or len(self.ops) != 1 or self._new != [entry]:
+                return False
+            self._new = []
+            return True
+
     def drain(self) -> List[Entry]:
         with self._lock:
             new, self._new = self._new, []
