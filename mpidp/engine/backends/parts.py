@@ -62,7 +62,11 @@ class FusionBuffers:
         if bound is not None and bound[0] is buf:
             return bound[1], bound[2]
         if buf is None or buf.numel() < group.total:
-            buf = torch.empty(max(group.total, 1024), dtype=dtype, device=device)
+            # Grown at least twofold: a group keeps the buffer it was bound to until it is used
+            # again (or the planner forgets it), so what stale groups hold stays under the
+            # size of the newest buffer.
+            grown = 2 * buf.numel() if buf is not None else 1024
+            buf = torch.empty(max(group.total, grown), dtype=dtype, device=device)
             self._bufs[(dtype, device)] = buf
         flat = buf[:group.total]
         views = [v.view(s) for v, s in zip(flat.split(group.numels), group.shapes)]
