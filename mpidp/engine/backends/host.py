@@ -36,11 +36,6 @@ def _np(t: torch.Tensor):
     return t.numpy().reshape(-1)  # numpy's reshape costs a fraction of torch's
 
 
-def _host_np(t: torch.Tensor):
-    """_np() of a contiguous host tensor of a dtype MPI has, in fewer calls."""
-    return (t.detach() if t.requires_grad else t).numpy().reshape(-1)
-
-
 def uneven_counts(n: int, parts: int) -> List[int]:
     """How `n` rows split over `parts` ranks: the first n % parts ranks get one extra row."""
     return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
@@ -120,10 +115,11 @@ class HostBackend:
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
-        if req.prescale == 1.0 and self.reduce_dtype(out.dtype, out.device) is src.dtype:
+        wide = self.reduce_dtype(out.dtype, out.device)
+        if req.prescale == 1.0 and wide is src.dtype:
             self._reduce_flat(None if out is src else src, out, req)
         else:
-            work = scaling.work_copy(src, self.reduce_dtype(out.dtype, out.device), req)
+            work = scaling.work_copy(src, wide, req)
             if self.timeline_mark:
                 self.timeline_mark("pack")
             self._reduce_flat(None, work.view(-1), req)
@@ -177,8 +173,8 @@ class HostBackend:
             elif plain:
                 for i in group.idx:
                     src, out = srcs[i], outs[i]
-                    self._reduce_np(None if src is out else _host_np(src), _host_np(out), out,
-                                    op, post, step)
+                    self._reduce_np(None if src is out else _np(src), _np(out), out, op, post,
+                                    step)
                 if self.timeline_mark:
                     self.timeline_mark("mpi")
             else:
