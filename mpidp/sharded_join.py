@@ -89,6 +89,7 @@ class _Server:
 
     def __init__(self, opt):
         self.opt = opt
+        self.process_set = opt._process_set  # where its JOIN carries `prefixes`
         self.prefixes = (opt._tag,) + SHARED
 
     def serve(self) -> None:

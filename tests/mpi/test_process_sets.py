@@ -335,3 +335,49 @@ def test_static_sets_given_to_init():
     finally:
         mpidp.shutdown()
         mpidp.init()
+
+
+def test_join_with_distributed_optimizer_on_sets(evens_odds):
+    """Each rank trains on its set (evens, odds) with uneven data (rank r has r + 1 steps) and
+    allreduces its loss over the world each step, then calls join(). A rank out of data is
+    joined in its set too: the members still training get its zeros instead of waiting for it,
+    and end where a DistributedOptimizer on the set does when ranks out of data submit zeros."""
+    rank, size = _world()
+    mine, _ = _mine(*evens_odds)
+    longest = max(mine.ranks)
+    torch.manual_seed(3)
+    data = [(torch.randn(5, 4), torch.randn(5, 2)) for _ in range(size)]
+    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [mpidp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=m.named_parameters(), process_set=mine)
+            for m in models]
+    losses = []
+
+    def train(steps, model, opt, log):
+        for i in range(steps):
+            opt.zero_grad()
+            if i <= rank:
+                x, y = data[i]
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                if log:
+                    losses.append(mpidp.allreduce(loss.detach(), name=f"ps.join.loss{i}",
+                                                  op=mpidp.Sum))
+            opt.step()
+
+    train(rank + 1, models[0], opts[0], log=True)
+    last = run_all(mpidp.join)
+    # The reference: every member steps as often as the set's longest, with zeros when out.
+    run_all(train, longest + 1, models[1], opts[1], log=False)
+    got = [p.detach() for p in models[0].parameters()]
+    want = [p.detach() for p in models[1].parameters()]
+    err = max((a - b).abs().max().item() for a, b in zip(got, want))
+    ok = rank != longest or err < 1e-12
+    # Step i's loss sums the ranks with more than i steps (the joined ranks add zeros).
+    sums = gather([v.item() for v in losses])
+    counts = all(len(s) == r + 1 for r, s in enumerate(sums))
+    assert_all(ok and counts, f"deviation {err} from the reference; losses {sums}")
+    refs = gather([p.tolist() for p in want])
+    assert_all(all(refs[r] == refs[longest] for r in mine.ranks), "reference members differ")
+    assert_all(gather(last) == [size - 1] * size, f"join() returned {gather(last)}")
