@@ -107,7 +107,8 @@ class AdasumOptimizer(DistributedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._submit_rest()
+        with ops.blocking():  # waited for right below: run here, not handed to the engine
+            self._submit_rest()
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None

@@ -146,8 +146,9 @@ class ShardedOptimizer(DistributedOptimizer):
             return super().synchronize()
         if self._reduced and not self._in_flight():
             return
-        self._join.submit()
-        self._submit_rest()
+        with ops.blocking():  # waited for right below: run here, not handed to the engine
+            self._join.submit()
+            self._submit_rest()
         try:
             for i, bucket in enumerate(self._buckets):
                 if bucket.handle is not None:
@@ -184,10 +185,11 @@ class ShardedOptimizer(DistributedOptimizer):
         self._opt.step()
         self._reduced = self._synchronized = False
         # In place: each shard is its rank's block of the home the others' blocks land in.
-        handles = [ops.allgather_into_async(buf.shard.detach(), buf.home,
-                                            name=f"{self._tag}{b.name}.params",
-                                            process_set=self._process_set)
-                   for buf, b in zip(self._bufs, self._buckets)]
+        with ops.blocking():
+            handles = [ops.allgather_into_async(buf.shard.detach(), buf.home,
+                                                name=f"{self._tag}{b.name}.params",
+                                                process_set=self._process_set)
+                       for buf, b in zip(self._bufs, self._buckets)]
         for handle in handles:
             ops.synchronize(handle)
         return loss
