@@ -11,6 +11,8 @@
 #                            benchmarks/cuda_paths.py; one table (without a GPU: says so, exit 0).
 #                            Runs under GPU_PYTHON (default: .venv's python if there, else python3,
 #                            e.g. a GPU image's own torch), no venv needed
+#   make gpu-wheels          the wheels gpu-check brings where nothing can be downloaded (pytest-mpi,
+#                            mpich) into .whl/, to carry to the GPU machine with the checkout
 #   make clean | distclean   build junk | build junk and .venv
 #
 # Overrides: NPS="2 3" (mpi-stage sizes), RUN_NP, BENCH_NP, PYTHON (interpreter that makes the venv).
@@ -37,7 +39,7 @@ export NPS
 STAMP := $(VENV)/.installed$(if $(wildcard mpidp/__init__.py),,-nopkg)
 PIP   := $(BIN)/python -m pip
 
-.PHONY: venv test test-unit test-mpi test-variants test-integration run bench gpu-check clean \
+.PHONY: venv test test-unit test-mpi test-variants test-integration run bench gpu-check gpu-wheels clean \
 	distclean
 
 venv: $(STAMP)
@@ -81,6 +83,10 @@ GPU_CHECK_ARGS ?=
 
 gpu-check:
 	$(GPU_PYTHON) tests/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Pure Python and manylinux wheels: the same files serve the GPU image's Python 3.12.
+gpu-wheels: $(STAMP)
+	$(PIP) download -q --no-deps -d .whl pytest-mpi mpich
 
 clean:
 	rm -rf build dist .eggs *.egg-info .pytest_cache

@@ -1,6 +1,6 @@
 """What works on this machine's GPU, in one table: `make gpu-check` (or python tests/gpu_check.py).
 
-    python3 tests/gpu_check.py [--device cuda|cpu] [--quick] [--out report.md]
+    python3 tests/gpu_check.py [--device cuda|cpu] [--quick] [--out report.md] [--bring-mpich]
 
 1. Reports what is found: torch and its CUDA, the GPUs, NCCL, mpi4py and the MPI library,
    whether that MPI is CUDA-aware, mpiexec and pytest-mpi.
@@ -14,7 +14,9 @@ With --device cuda (the default) on a machine where torch sees no GPU it says so
 after running nothing. --device cpu runs the same on host tensors: the CPU twin CI runs.
 It uses the interpreter it runs under (no venv needed: a GPU machine's image brings torch), with
 the checkout on PYTHONPATH. A missing pytest-mpi is installed from a wheel found in
-$MPIDP_WHEELS or ./.whl (pure Python; nothing is downloaded).
+$MPIDP_WHEELS or ./.whl (`make gpu-wheels` fills it; nothing is downloaded here). So is the
+mpich wheel (into a temporary prefix, its bin/ and lib/ first on PATH and LD_LIBRARY_PATH) when
+no mpiexec or no MPI library mpi4py can load is found, or with --bring-mpich.
 """
 
 import argparse
@@ -50,6 +52,9 @@ try:
     f["mpi4py"] = mpi4py.__version__
     f["MPI library"] = MPI.Get_library_version().splitlines()[0].strip()
     f["CUDA-aware MPI"] = mpi_library.cuda_aware_support()
+    with open("/proc/self/maps") as maps:  # which libmpi the loader found (Linux)
+        f["MPI library file"] = ", ".join(sorted({line.split()[-1] for line in maps
+                                                  if "/libmpi" in line})) or "?"
 except Exception as exc:
     f["mpi4py"] = f"unusable: {exc}"
 try:
@@ -95,16 +100,44 @@ def mpiexec():
     return beside if os.path.exists(beside) else shutil.which("mpiexec")
 
 
+def wheel(pattern):
+    """The first wheel named like `pattern` in $MPIDP_WHEELS or ./.whl (make gpu-wheels)."""
+    dirs = [d for d in (os.environ.get("MPIDP_WHEELS"), os.path.join(ROOT, ".whl")) if d]
+    found = sorted(w for d in dirs for w in glob.glob(os.path.join(d, pattern)))
+    return found[0] if found else None
+
+
+def install(whl, *where):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--ignore-installed", *where, whl], check=True)
+
+
 def bring_pytest_mpi(tmp):
     """A PYTHONPATH entry holding pytest-mpi from a local wheel, or None if none is found."""
-    dirs = [d for d in (os.environ.get("MPIDP_WHEELS"), os.path.join(ROOT, ".whl")) if d]
-    wheels = [w for d in dirs for w in glob.glob(os.path.join(d, "pytest_mpi-*.whl"))]
-    if not wheels:
+    whl = wheel("pytest_mpi-*.whl")
+    if whl is None:
         return None
     target = os.path.join(tmp, "site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    "--target", target, wheels[0]], check=True)
+    install(whl, "--target", target)
     return target
+
+
+def bring_mpich(tmp):
+    """Install the mpich wheel into a prefix under `tmp` (--prefix: --target would drop its
+    lib/), put its bin/ and lib/ first on PATH and LD_LIBRARY_PATH and name its libmpi in
+    MPI4PY_LIBMPI, for every command run from here on. Returns its mpiexec, or None when no
+    wheel is found."""
+    whl = wheel("mpich-*.whl")
+    if whl is None:
+        return None
+    prefix = os.path.join(tmp, "mpich")
+    install(whl, "--prefix", prefix)
+    for var, sub in (("PATH", "bin"), ("LD_LIBRARY_PATH", "lib")):
+        os.environ[var] = os.pathsep.join(p for p in (os.path.join(prefix, sub),
+                                                      os.environ.get(var, "")) if p)
+    # mpi4py's own wheels look in their interpreter's prefix first; this names the library.
+    os.environ["MPI4PY_LIBMPI"] = os.path.join(prefix, "lib", "libmpi.so.12")
+    return os.path.join(prefix, "bin", "mpiexec")
 
 
 def closing_counts(out):
@@ -184,43 +217,62 @@ def main():
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="one test file, short runs")
     ap.add_argument("--out", help="also write the table here")
+    ap.add_argument("--bring-mpich", action="store_true",
+                    help="use the mpich wheel from $MPIDP_WHEELS or ./.whl (make gpu-wheels), "
+                         "installed into a temporary prefix, instead of an MPI found here; done "
+                         "anyway when no mpiexec or no MPI library mpi4py can load is found")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mpidp-gpu-check-") as tmp:
+        return check(args, tmp)
+
+
+def check(args, tmp):
     found = facts()
     print(f"gpu-check with {sys.executable}")
     if "error" in found:
         print(f"torch or mpidp cannot be imported by {sys.executable}: {found['error']}")
         return 1
-    for key, value in found.items():
-        print(f"  {key}: {value}")
     gpus = len(found["GPUs"])
     if args.device == "cuda" and not gpus:
+        for key, value in found.items():
+            print(f"  {key}: {value}")
         print("no GPU here (torch.cuda.is_available() is false): nothing to run; "
               "`--device cpu` runs the same checks on host tensors")
         return 0
     launcher = mpiexec()
-    if launcher is None:
-        print("no mpiexec on PATH or beside the interpreter: install an MPI (the `mpich` "
-              "wheel brings one) and run again")
+    if args.bring_mpich or launcher is None or found["mpi4py"].startswith("unusable"):
+        launcher = bring_mpich(tmp)
+        if launcher is None:
+            for key, value in found.items():
+                print(f"  {key}: {value}")
+            print("no usable MPI here (mpiexec, or mpi4py's MPI library) and no mpich wheel in "
+                  "$MPIDP_WHEELS or ./.whl: bring one (make gpu-wheels) and run again")
+            return 1
+        found = facts()
+        found["mpiexec"] = f"{launcher} (the mpich wheel, brought)"
+    for key, value in found.items():
+        print(f"  {key}: {value}")
+    if "error" in found or found["mpi4py"].startswith("unusable"):
+        print(f"mpi4py cannot use the MPI library: {found.get('error', found['mpi4py'])}")
         return 1
-    with tempfile.TemporaryDirectory(prefix="mpidp-gpu-check-") as tmp:
-        site = ""
-        if found["pytest-mpi"] == "missing":
-            site = bring_pytest_mpi(tmp)
-            if site is None:
-                print("pytest-mpi is missing and no wheel of it was found in $MPIDP_WHEELS or "
-                      "./.whl: bring one (pip download --no-deps pytest-mpi) and run again")
-                return 1
-        paths = [("mpi", 1), ("mpi", 2), ("gloo", 2)]
-        if args.device == "cuda" and found["NCCL"][:1].isdigit():
-            paths += [("nccl", 1), ("nccl", 2)]
-        files = QUICK_MATRIX if args.quick else MATRIX
-        rows = matrix(args.device, paths, files, site, launcher)
-        rows.append(example(args.device, launcher, tmp, 3 if args.quick else 5))
-        bench_paths = [(p, n) for p, n in paths if n == 2]
-        if args.device == "cuda" and gpus < 2 and ("nccl", 2) in bench_paths:
-            bench_paths[bench_paths.index(("nccl", 2))] = ("nccl", 1)  # one GPU: one rank
-        rows += benchmark(args.device, bench_paths, launcher, tmp,
-                          1 if args.quick else 5, 2 if args.quick else 5)
+    site = ""
+    if found["pytest-mpi"] == "missing":
+        site = bring_pytest_mpi(tmp)
+        if site is None:
+            print("pytest-mpi is missing and no wheel of it was found in $MPIDP_WHEELS or "
+                  "./.whl: bring one (make gpu-wheels) and run again")
+            return 1
+    paths = [("mpi", 1), ("mpi", 2), ("gloo", 2)]
+    if args.device == "cuda" and found["NCCL"][:1].isdigit():
+        paths += [("nccl", 1), ("nccl", 2)]
+    files = QUICK_MATRIX if args.quick else MATRIX
+    rows = matrix(args.device, paths, files, site, launcher)
+    rows.append(example(args.device, launcher, tmp, 3 if args.quick else 5))
+    bench_paths = [(p, n) for p, n in paths if n == 2]
+    if args.device == "cuda" and gpus < 2 and ("nccl", 2) in bench_paths:
+        bench_paths[bench_paths.index(("nccl", 2))] = ("nccl", 1)  # one GPU: one rank
+    rows += benchmark(args.device, bench_paths, launcher, tmp,
+                      1 if args.quick else 5, 2 if args.quick else 5)
     report = table(found, rows)
     print(report)
     for r in rows:

@@ -1,9 +1,12 @@
 """`make gpu-check` (tests/gpu_check.py): without a GPU it says so and runs nothing; its CPU twin
-runs the same matrix, example and benchmark on host tensors and reports them in one table."""
+runs the same matrix, example and benchmark on host tensors and reports them in one table, here
+with MPI brought from the mpich wheel as on a machine that has none and cannot download."""
 
+import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -13,9 +16,9 @@ from .launch import ROOT
 SCRIPT = ROOT / "tests" / "gpu_check.py"
 
 
-def _run(*args, timeout):
+def _run(*args, timeout, env=None):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          cwd=str(ROOT), timeout=timeout, stdin=subprocess.DEVNULL)
+                          cwd=str(ROOT), timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
 
 @pytest.mark.timeout(120)
@@ -30,10 +33,21 @@ def test_without_a_gpu_it_says_so_and_exits_0():
 
 @pytest.mark.timeout(400)
 def test_cpu_twin_runs_matrix_example_and_benchmark_in_one_table(tmp_path):
+    """With --bring-mpich: the wheels `make gpu-wheels` fetches, installed by the check into a
+    temporary prefix whose mpiexec and libmpi every step then uses."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d",
+                    str(wheels), "pytest-mpi", "mpich"], check=True, timeout=120,
+                   stdin=subprocess.DEVNULL)
     out = tmp_path / "report.md"
-    res = _run("--device", "cpu", "--quick", "--out", str(out), timeout=380)
+    res = _run("--device", "cpu", "--quick", "--bring-mpich", "--out", str(out), timeout=300,
+               env=dict(os.environ, MPIDP_WHEELS=str(wheels)))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     report = out.read_text()
+    brought = re.escape(tempfile.gettempdir()) + r"/mpidp-gpu-check-\w+/mpich/"
+    assert re.search(r"\| found: mpiexec \| \| \| " + brought + r"bin/mpiexec", report), report
+    assert re.search(r"\| found: MPI library file \| \| \| " + brought + r"lib/libmpi", report), \
+        report
     matrix = re.findall(r"\| tests on cpu, MPIDP_BACKEND=(\w+) \| (\d) \| ok \| (\d+) passed, "
                         r"0 failed", report)
     assert {(path, n) for path, n, _ in matrix} == {("mpi", "1"), ("mpi", "2"), ("gloo", "2")}, \
