@@ -226,6 +226,14 @@ def main():
         return check(args, tmp)
 
 
+def stop(found, message, rc):
+    """Print what was found, then why nothing (more) runs; returns the exit code."""
+    for key, value in found.items():
+        print(f"  {key}: {value}")
+    print(message)
+    return rc
+
+
 def check(args, tmp):
     found = facts()
     print(f"gpu-check with {sys.executable}")
@@ -234,27 +242,22 @@ def check(args, tmp):
         return 1
     gpus = len(found["GPUs"])
     if args.device == "cuda" and not gpus:
-        for key, value in found.items():
-            print(f"  {key}: {value}")
-        print("no GPU here (torch.cuda.is_available() is false): nothing to run; "
-              "`--device cpu` runs the same checks on host tensors")
-        return 0
+        return stop(found, "no GPU here (torch.cuda.is_available() is false): nothing to run; "
+                           "`--device cpu` runs the same checks on host tensors", 0)
     launcher = mpiexec()
     if args.bring_mpich or launcher is None or found["mpi4py"].startswith("unusable"):
         launcher = bring_mpich(tmp)
         if launcher is None:
-            for key, value in found.items():
-                print(f"  {key}: {value}")
-            print("no usable MPI here (mpiexec, or mpi4py's MPI library) and no mpich wheel in "
-                  "$MPIDP_WHEELS or ./.whl: bring one (make gpu-wheels) and run again")
-            return 1
+            return stop(found, "no usable MPI here (mpiexec, or mpi4py's MPI library) and no "
+                               "mpich wheel in $MPIDP_WHEELS or ./.whl: bring one (make "
+                               "gpu-wheels) and run again", 1)
         found = facts()
         found["mpiexec"] = f"{launcher} (the mpich wheel, brought)"
+    if "error" in found or found["mpi4py"].startswith("unusable"):
+        return stop(found, f"mpi4py cannot use the MPI library: "
+                           f"{found.get('error', found['mpi4py'])}", 1)
     for key, value in found.items():
         print(f"  {key}: {value}")
-    if "error" in found or found["mpi4py"].startswith("unusable"):
-        print(f"mpi4py cannot use the MPI library: {found.get('error', found['mpi4py'])}")
-        return 1
     site = ""
     if found["pytest-mpi"] == "missing":
         site = bring_pytest_mpi(tmp)
