@@ -11,8 +11,9 @@
 #                            benchmarks/cuda_paths.py; one table (without a GPU: says so, exit 0).
 #                            Runs under GPU_PYTHON (default: .venv's python if there, else python3,
 #                            e.g. a GPU image's own torch), no venv needed
-#   make gpu-wheels          the wheels gpu-check brings where nothing can be downloaded (pytest-mpi,
-#                            mpich) into .whl/, to carry to the GPU machine with the checkout
+#   make gpu-wheels          what gpu-check brings where nothing can be downloaded (the pytest-mpi
+#                            and mpich wheels, the example's digits) into .whl/ (WHL=dir), to
+#                            carry to the GPU machine with the checkout
 #   make clean | distclean   build junk | build junk and .venv
 #
 # Overrides: NPS="2 3" (mpi-stage sizes), RUN_NP, BENCH_NP, PYTHON (interpreter that makes the venv).
@@ -84,9 +85,13 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PYTHON) tests/gpu_check.py $(GPU_CHECK_ARGS)
 
-# Pure Python and manylinux wheels: the same files serve the GPU image's Python 3.12.
+# Pure Python and manylinux wheels: the same files serve the GPU image's Python 3.12. The image
+# has no scikit-learn: the example's digits go along as an .npz (integers 0-16, exact as uint8).
+WHL ?= .whl
 gpu-wheels: $(STAMP)
-	$(PIP) download -q --no-deps -d .whl pytest-mpi mpich
+	$(PIP) download -q --no-deps -d "$(WHL)" pytest-mpi mpich
+	$(BIN)/python -c "import numpy as np, sklearn.datasets as d; x = d.load_digits(); \
+	np.savez_compressed('$(WHL)/digits.npz', images=x.images.astype(np.uint8), target=x.target)"
 
 clean:
 	rm -rf build dist .eggs *.egg-info .pytest_cache

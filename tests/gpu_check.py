@@ -170,11 +170,15 @@ def matrix(device, paths, files, site, launcher):
 def example(device, launcher, tmp, epochs):
     cmd = [launcher, "-n", "2", sys.executable, "examples/train.py", "--device", device,
            "--epochs", str(epochs), "--checkpoint", os.path.join(tmp, "train.pt")]
+    data = wheel("digits.npz")  # GPU images have no scikit-learn (make gpu-wheels)
+    if data is not None:
+        cmd += ["--data", data]
     rc, out, secs = run(cmd, env_with(MPIDP_BACKEND="mpi"), 900)
     acc = re.findall(r"final test accuracy: ([0-9.]+)", out)
     ok = rc == 0 and bool(acc) and float(acc[-1]) > 0.5
     return {"what": f"examples/train.py --device {device}, {epochs} epochs", "n": 2, "ok": ok,
-            "detail": f"final test accuracy {acc[-1] if acc else '?'}, exit {rc}", "s": secs,
+            "detail": f"final test accuracy {acc[-1] if acc else '?'}, exit {rc}"
+                      f"{f', digits from {data}' if data else ''}", "s": secs,
             "tail": "" if ok else out[-3000:]}
 
 

@@ -33,12 +33,12 @@ def test_without_a_gpu_it_says_so_and_exits_0():
 
 @pytest.mark.timeout(400)
 def test_cpu_twin_runs_matrix_example_and_benchmark_in_one_table(tmp_path):
-    """With --bring-mpich: the wheels `make gpu-wheels` fetches, installed by the check into a
-    temporary prefix whose mpiexec and libmpi every step then uses."""
+    """With what `make gpu-wheels` fetches and --bring-mpich: the mpich wheel installed by the
+    check into a temporary prefix whose mpiexec and libmpi every step then uses, and the
+    example reading the digits from the .npz (as on a GPU image without scikit-learn)."""
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d",
-                    str(wheels), "pytest-mpi", "mpich"], check=True, timeout=120,
-                   stdin=subprocess.DEVNULL)
+    subprocess.run(["make", "-s", "gpu-wheels", f"WHL={wheels}"], cwd=str(ROOT), check=True,
+                   timeout=120, stdin=subprocess.DEVNULL)
     out = tmp_path / "report.md"
     res = _run("--device", "cpu", "--quick", "--bring-mpich", "--out", str(out), timeout=300,
                env=dict(os.environ, MPIDP_WHEELS=str(wheels)))
@@ -54,7 +54,8 @@ def test_cpu_twin_runs_matrix_example_and_benchmark_in_one_table(tmp_path):
         report
     assert all(int(passed) > 0 for _, _, passed in matrix), report
     accuracy = re.search(r"examples/train.py --device cpu, \d+ epochs \| 2 \| ok \| final test "
-                         r"accuracy ([0-9.]+)", report)
+                         r"accuracy ([0-9.]+), exit 0, digits from " + re.escape(str(wheels)),
+                         report)
     assert accuracy and float(accuracy.group(1)) > 0.5, report
     steps = re.findall(r"step, mpidp over (\w+) vs DDP \(gloo\) \| 2 \| ok \| no comm ([0-9.]+) "
                        r"ms, mpidp ([0-9.]+) ms", report)
