@@ -337,7 +337,7 @@ def test_static_sets_given_to_init():
         mpidp.init()
 
 
-def test_join_with_distributed_optimizer_on_sets(evens_odds):
+def test_join_with_distributed_optimizer_on_sets(evens_odds, device):
     """Each rank trains on its set (evens, odds) with uneven data (rank r has r + 1 steps) and
     allreduces its loss over the world each step, then calls join(). A rank out of data is
     joined in its set too: the members still training get its zeros instead of waiting for it,
@@ -346,13 +346,14 @@ def test_join_with_distributed_optimizer_on_sets(evens_odds):
     mine, _ = _mine(*evens_odds)
     longest = max(mine.ranks)
     torch.manual_seed(3)
-    data = [(torch.randn(5, 4), torch.randn(5, 2)) for _ in range(size)]
-    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    data = [(torch.randn(5, 4, device=device), torch.randn(5, 2, device=device))
+            for _ in range(size)]
+    models = [torch.nn.Linear(4, 2).to(device) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     opts = [mpidp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=m.named_parameters(), process_set=mine)
             for m in models]
-    losses = []
+    losses, local = [], []
 
     def train(steps, model, opt, log):
         for i in range(steps):
@@ -362,8 +363,9 @@ def test_join_with_distributed_optimizer_on_sets(evens_odds):
                 loss = (model(x) - y).pow(2).mean()
                 loss.backward()
                 if log:
+                    local.append(loss.item())
                     losses.append(mpidp.allreduce(loss.detach(), name=f"ps.join.loss{i}",
-                                                  op=mpidp.Sum))
+                                                  op=mpidp.Sum).item())
             opt.step()
 
     train(rank + 1, models[0], opts[0], log=True)
@@ -375,9 +377,11 @@ def test_join_with_distributed_optimizer_on_sets(evens_odds):
     err = max((a - b).abs().max().item() for a, b in zip(got, want))
     ok = rank != longest or err < 1e-12
     # Step i's loss sums the ranks with more than i steps (the joined ranks add zeros).
-    sums = gather([v.item() for v in losses])
-    counts = all(len(s) == r + 1 for r, s in enumerate(sums))
-    assert_all(ok and counts, f"deviation {err} from the reference; losses {sums}")
-    refs = gather([p.tolist() for p in want])
+    sums, mine_each = gather(losses), gather(local)
+    want_sums = [sum(v[i] for v in mine_each if len(v) > i) for i in range(size)]
+    sums_ok = all(abs(got_i - want_sums[i]) < 1e-5 for s in sums for i, got_i in enumerate(s))
+    assert_all(ok and sums_ok, f"deviation {err} from the reference; loss sums {sums}, "
+                               f"expected {want_sums}")
+    refs = gather([p.cpu().tolist() for p in want])
     assert_all(all(refs[r] == refs[longest] for r in mine.ranks), "reference members differ")
     assert_all(gather(last) == [size - 1] * size, f"join() returned {gather(last)}")
