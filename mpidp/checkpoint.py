@@ -2,7 +2,8 @@
 
 `save(path, **state)` stores named values: a `torch.nn.Module` as its `state_dict()`, anything
 else with `state_dict()` and `load_state_dict()` (optimizers, `DistributedOptimizer`, LR
-schedulers, `mpidp.elastic.ElasticSampler`) as its state, other values as they are. Values must be
+schedulers, `mpidp.elastic.ElasticSampler`) as its state, a sampler with `set_epoch()` and no
+state_dict (torch's `DistributedSampler`) as its epoch, other values as they are. Values must be
 of types `torch.load(weights_only=True)` accepts (tensors, numbers, strings, bytes, None, lists,
 tuples, dicts, `torch.Size`, dtypes); `save` refuses anything else up front, so a checkpoint that
 could not be loaded is never written. It also stores the random number generator states of every
@@ -36,7 +37,7 @@ from .log import logger
 FORMAT = "mpidp.checkpoint/1"
 RESERVED = ("restore_rng",)  # load() options; save() refuses them as names
 
-_VALUE, _MODULE, _STATEFUL = "value", "module", "stateful"
+_VALUE, _MODULE, _STATEFUL, _EPOCH = "value", "module", "stateful", "epoch"
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device,
           torch.Size)
 
@@ -49,6 +50,8 @@ def _kind(value) -> str:
     if callable(getattr(value, "state_dict", None)) and \
             callable(getattr(value, "load_state_dict", None)):
         return _STATEFUL
+    if callable(getattr(value, "set_epoch", None)) and type(getattr(value, "epoch", None)) is int:
+        return _EPOCH  # torch's DistributedSampler: its shuffle depends on the epoch alone
     return _VALUE
 
 
@@ -70,16 +73,21 @@ def _check_loadable(value, where: str) -> None:
             _check_loadable(key, f"{where} key {key!r}")
             _check_loadable(item, f"{where}[{key!r}]")
         return
+    hint = (" (an object is stored through its state_dict() and load_state_dict(), or as its "
+            "epoch if it has set_epoch() and an int epoch; this one has neither)"
+            if hasattr(value, "__dict__") else "")
     raise TypeError(f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
-                    f"torch.load(weights_only=True) refuses; store tensors, numbers, strings, "
-                    f"lists, tuples or dicts (for example x.tolist() or torch.from_numpy(x))")
+                    f"torch.load(weights_only=True) refuses{hint}; store tensors, numbers, "
+                    f"strings, lists, tuples or dicts (for example x.tolist() or "
+                    f"torch.from_numpy(x))")
 
 
 def _payload(state: Dict[str, Any], rngs: List[Dict[str, Any]]) -> Dict[str, Any]:
     kinds, values = {}, {}
     for key, value in state.items():
-        kinds[key] = _kind(value)
-        values[key] = value if kinds[key] == _VALUE else value.state_dict()
+        kinds[key] = kind = _kind(value)
+        values[key] = (value if kind == _VALUE else {"epoch": value.epoch} if kind == _EPOCH
+                       else value.state_dict())
         _check_loadable(values[key], f"checkpoint value {key!r}")
     return {"format": FORMAT, "world_size": len(rngs), "kinds": kinds, "state": values,
             "rng": rngs}
@@ -147,7 +155,8 @@ def save(path, /, **state) -> None:
     """Save `state` (named values) to `path` atomically; rank 0 writes, every rank must call it.
 
     Modules are stored as their `state_dict()`, objects with `state_dict()`/`load_state_dict()`
-    (optimizers, samplers, schedulers) as their state, other values as they are; every rank's RNG
+    (optimizers, samplers, schedulers) as their state, a sampler with only `set_epoch()` (torch's
+    `DistributedSampler`) as its epoch, other values as they are; every rank's RNG
     states are stored too. Only rank 0's values are written: the ranks are assumed to hold
     replicas. Synchronization: an allgather of the RNG states, then every rank waits until rank 0
     has renamed the file into place and fsynced the directory (one broadcast of the outcome). If
@@ -228,6 +237,9 @@ def _apply(path: str, payload: Dict[str, Any], targets: Dict[str, Any]) -> Dict[
     if missing:
         raise CheckpointError(f"{path!r} holds no {missing}; it holds {sorted(state)}")
     for key, target in targets.items():
+        if kinds[key] == _EPOCH and callable(getattr(target, "set_epoch", None)):
+            target.set_epoch(state[key]["epoch"])
+            continue
         if not callable(getattr(target, "load_state_dict", None)):
             raise TypeError(f"checkpoint.load: target {key!r} is a {type(target).__name__} "
                             f"without load_state_dict(); leave it out to get the value back")
@@ -243,7 +255,8 @@ def load(path, /, *, restore_rng: bool = True, **targets) -> Dict[str, Any]:
 
     Rank 0 reads the file and broadcasts its bytes; every rank parses them with
     `torch.load(weights_only=True)`. Each target (a module, optimizer, sampler..., passed under the
-    name it was saved with) gets its saved state through `load_state_dict`. With `restore_rng`,
+    name it was saved with) gets its saved state through `load_state_dict` (a DistributedSampler
+    its epoch through `set_epoch`). With `restore_rng`,
     each rank gets back its own RNG states from the save; if the checkpoint was saved by a
     different number of ranks, RNG states are left alone (rank 0 logs a warning saying so) and the
     rest loads. Synchronization: a broadcast of the file, then an allgather of every rank's

@@ -169,6 +169,36 @@ def test_value_a_weights_only_load_refuses_fails_every_rank_and_writes_nothing(s
     assert_all(not os.path.exists(path) or mpidp.rank() != 0, "a file was written")
 
 
+def test_distributed_sampler_is_stored_as_its_epoch(shared_dir):
+    """torch's DistributedSampler has no state_dict(): its shuffle is a function of seed and
+    epoch, so the epoch is what a checkpoint keeps and set_epoch() what load gives back."""
+    path = os.path.join(shared_dir, "sampler.pt")
+    data = list(range(40))
+
+    def sampler():
+        return torch.utils.data.distributed.DistributedSampler(
+            data, num_replicas=mpidp.size(), rank=mpidp.rank(), seed=5)
+    saved = sampler()
+    saved.set_epoch(3)
+    run_all(checkpoint.save, path, sampler=saved, epoch=3)
+    fresh = sampler()
+    rest = run_all(checkpoint.load, path, sampler=fresh)
+    same = fresh.epoch == 3 and list(fresh) == list(saved) and rest == {"epoch": 3}
+    assert_all(same, f"epoch {fresh.epoch}, rest {rest}")
+
+
+class _Opaque:
+    def __init__(self):
+        self.x = 1
+
+
+def test_an_object_without_state_is_refused_with_what_to_do(shared_dir):
+    path = os.path.join(shared_dir, "opaque.pt")
+    exc = raises_all(checkpoint.CheckpointError, checkpoint.save, path, thing=_Opaque(),
+                     match="thing")
+    assert_all("state_dict()" in str(exc) and "set_epoch()" in str(exc), str(exc))
+
+
 def test_reserved_name_is_refused():
     raises_all(ValueError, checkpoint.save, "/nonexistent/x.pt", restore_rng=True)
 
