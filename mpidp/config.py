@@ -197,7 +197,8 @@ Config = dataclasses.make_dataclass(
     frozen=True)
 
 
-def _read_env(knob: Knob, env: Mapping[str, str]):
+def read_env(knob: Knob, env: Mapping[str, str]):
+    """(variable, value) of the first of the knob's variables set in `env`, or (None, None)."""
     for var in (knob.env, knob.horovod):
         if var and var in env:
             return var, env[var]
@@ -213,7 +214,7 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
     values = {}
     explicit = set()
     for knob in KNOBS:
-        var, raw = _read_env(knob, env)
+        var, raw = read_env(knob, env)
         if var is None:
             values[knob.field] = knob.default
             continue

@@ -1,8 +1,10 @@
 """The stall inspector (rank 0): names ops some ranks submitted and others not; when to give up."""
 
+import os
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..config import KNOBS, read_env
 from ..log import logger
 
 Snapshot = Sequence[Tuple[str, float]]  # one rank's pending (name, age in seconds)
@@ -12,14 +14,21 @@ def _ranks(ranks) -> str:
     return ",".join(map(str, sorted(ranks)))
 
 
+def _variable(field: str) -> str:
+    """The variable that set knob `field`: the user's HOROVOD_* alias if that is what they set."""
+    knob = next(k for k in KNOBS if k.field == field)
+    return read_env(knob, os.environ)[0] or knob.env
+
+
 class StallInspector:
-    """Warns once per stalled name; returns a shutdown reason once a stall outlives the limit."""
+    """Warns of each stalled name, again every warning_s while it waits (as Horovod does);
+    returns a shutdown reason once a stall outlives the limit."""
 
     def __init__(self, size: int, warning_s: float, shutdown_s: float):
         self.size = size
         self.warning_s = warning_s
         self.shutdown_s = shutdown_s
-        self._warned: Dict[str, float] = {}
+        self._warned: Dict[str, Tuple[float, float]] = {}  # name -> (stall began, warned at)
         self._last_raise = 0.0
 
     def enabled(self) -> bool:
@@ -55,26 +64,32 @@ class StallInspector:
         lines = [f"  {name!r}: waited {a:.1f} s; missing ranks {_ranks(missing)} "
                  f"(submitted by {_ranks(ranks)})" for a, name, ranks, missing in stalled]
         if self.warning_s > 0:
-            # _warned: name -> when the warned instance was first submitted. Forget names that
-            # completed; a name whose start moved on by more than warning_s / 2 is a new stall.
+            # Forget names that completed; a name whose start moved on by more than
+            # warning_s / 2 is a new stall.
             now = time.monotonic()
-            self._warned = {n: s for n, s in self._warned.items() if n in present}
+            self._warned = {n: w for n, w in self._warned.items() if n in present}
             fresh = []
             for (a, name, _, _), line in zip(stalled, lines):
                 if a < self.warning_s:
                     continue
                 start = now - a
                 prev = self._warned.get(name)
-                if prev is None or start - prev >= self.warning_s / 2:
-                    self._warned[name] = start
+                new = prev is None or start - prev[0] >= self.warning_s / 2
+                if new or now - prev[1] >= self.warning_s:
+                    self._warned[name] = (start if new else prev[0], now)
                     fresh.append(line)
             if fresh:
                 logger.warning(
                     "stall: %d op(s) submitted by some ranks but not others for more than "
-                    "%.0f s (a rank is slow, stuck, or submits different names):\n%s",
-                    len(fresh), self.warning_s, "\n".join(fresh))
+                    "%.0f s (a rank is slow, stuck, or submits different names; repeated every "
+                    "%.0f s while they wait):\n%s", len(fresh), self.warning_s, self.warning_s,
+                    "\n".join(fresh))
         if self.shutdown_s > 0 and stalled and stalled[0][0] >= self.shutdown_s:
-            a, name, ranks, missing = stalled[0]
-            return (f"stall: op {name!r} waited {a:.1f} s for ranks {_ranks(missing)} "
-                    f"(MPIDP_STALL_SHUTDOWN_S={self.shutdown_s:g}); shutting the engine down")
+            # Every rank gets this reason: name each stalled op, so that each finds its own.
+            shown = ", ".join(f"op {name!r} waited {a:.1f} s for ranks {_ranks(missing)} "
+                              f"(submitted by {_ranks(ranks)})"
+                              for a, name, ranks, missing in stalled[:4])
+            more = f", and {len(stalled) - 4} more" if len(stalled) > 4 else ""
+            return (f"stall: {shown}{more}; {_variable('stall_shutdown_s')}="
+                    f"{self.shutdown_s:g}: shutting the engine down")
         return None

@@ -1,4 +1,5 @@
-"""stall.StallInspector: rate-limited raising, warn-once logging of missing ranks, shutdown."""
+"""stall.StallInspector: rate-limited raising, logging of missing ranks (again every warning
+period while they wait), shutdown."""
 
 import logging
 import types
@@ -130,7 +131,7 @@ def test_name_submitted_by_all_is_not_stalled(warnings_):
     assert messages(warnings_) == []
 
 
-def test_warns_once_per_name_and_again_after_it_completed(warnings_):
+def test_warns_once_per_name_per_period_and_again_after_it_completed(warnings_):
     insp = StallInspector(2, warning_s=10.0, shutdown_s=0.0)
     insp.inspect({0: [("a", 11.0)], 1: []}, [])
     assert len(messages(warnings_)) == 1
@@ -171,6 +172,22 @@ def test_warns_again_when_name_restalls_without_an_inspect_in_between(clock, war
     assert len(messages(warnings_)) == 1
 
 
+def test_a_stall_that_goes_on_is_warned_again_every_period(clock, warnings_):
+    """As Horovod's stall inspector: the warning repeats every check period, so a stuck job
+    keeps saying why in its log instead of one line and then silence."""
+    insp = StallInspector(2, warning_s=10.0, shutdown_s=0.0)
+    insp.inspect({0: [("a", 11.0)], 1: []}, [])
+    assert len(messages(warnings_)) == 1
+    clock.now += 9.0
+    insp.inspect({0: [("a", 20.0), ("b", 10.0)], 1: []}, [])
+    (msg,) = messages(warnings_)
+    assert "'b'" in msg and "'a'" not in msg
+    clock.now += 1.0
+    insp.inspect({0: [("a", 21.0), ("b", 11.0)], 1: []}, [])
+    (msg,) = messages(warnings_)
+    assert "'a': waited 21.0 s" in msg and "'b'" not in msg and "repeated every 10 s" in msg
+
+
 def test_age_is_the_oldest_across_ranks(warnings_):
     insp = StallInspector(3, warning_s=10.0, shutdown_s=0.0)
     insp.inspect({0: [("a", 2.0)], 1: [("a", 10.0)], 2: []}, [])
@@ -188,10 +205,21 @@ def test_shutdown_reason_only_after_shutdown_limit(warnings_):
     assert "MPIDP_STALL_SHUTDOWN_S=30" in reason
 
 
-def test_shutdown_reason_names_the_oldest_stall():
+def test_shutdown_reason_names_every_stalled_op_oldest_first():
+    """Every rank gets the reason: a rank blocked in 'x' must find 'x' in it, not only the
+    oldest op, which it may never have submitted."""
     insp = StallInspector(3, warning_s=0.0, shutdown_s=5.0)
     reason = insp.inspect({0: [("x", 6.0), ("y", 9.0)], 1: [("x", 6.0)], 2: []}, [])
-    assert "'y'" in reason and "ranks 1,2" in reason
+    assert reason.startswith("stall: op 'y' waited 9.0 s for ranks 1,2 (submitted by 0), "
+                             "op 'x' waited 6.0 s for ranks 2 (submitted by 0,1);"), reason
+
+
+def test_shutdown_reason_names_the_variable_the_user_set(monkeypatch):
+    monkeypatch.delenv("MPIDP_STALL_SHUTDOWN_S", raising=False)
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "5")
+    insp = StallInspector(2, warning_s=0.0, shutdown_s=5.0)
+    reason = insp.inspect({0: [("a", 6.0)], 1: []}, [])
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5:" in reason and "MPIDP_" not in reason
 
 
 def test_shutdown_without_warning_logs_nothing(warnings_):
