@@ -78,8 +78,11 @@ def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
                      for ranks in sorted(groups.values())]
             return f"{label}: " + ", ".join(parts)
     if joined and first.op not in (OpType.ALLREDUCE, OpType.BARRIER):
+        hint = ("; a sparse allreduce is an allgather: DistributedOptimizer(..., "
+                "sparse_as_dense=True) reduces sparse gradients as dense ones, which can run"
+                if first.op == OpType.ALLGATHER else "")
         return (f"{label}: {_ranks(joined)} already called join(); only allreduce may run while "
-                f"ranks are joined")
+                f"ranks are joined{hint}")
     if first.op == OpType.ALLREDUCE and joined and first.reduce_op in (ReduceOp.MIN, ReduceOp.MAX,
                                                                           ReduceOp.PRODUCT):
         # Zeros from joined ranks would silently change a min, max or product.

@@ -148,6 +148,8 @@ def test_ops_refused_while_ranks_are_joined(kind):
 
     msg, last = run_all(body)
     ok = last == n - 1 and (r == 0 or (msg is not None and "join" in msg and name in msg))
+    # Sparse gradients are gathered: the message says how to train them with join().
+    ok = ok and (r == 0 or kind != "allgather" or "sparse_as_dense=True" in msg)
     assert_all(ok, f"join() returned {last}; message: {msg!r}")
     msgs = gather(msg)[1:]
     assert_all(all(m == msgs[0] for m in msgs), f"different messages: {msgs}")
