@@ -7,6 +7,7 @@ from typing import Optional
 
 from . import config as _config, malloc_reuse, set_registry, uncaught
 from .member import Member
+from .engine import interrupts
 from .engine.handles import HandleTable
 from .errors import ConfigError, MpidpError, NotInitializedError
 from .log import configure as _configure_log, logger
@@ -155,6 +156,7 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         if cfg.keep_freed_memory:
             malloc_reuse.keep_freed_memory()
         uncaught.install_abort_hook(cfg.abort_on_error)
+        interrupts.install()
         _warn_lonely_world(comms.size)
         if comms.rank == 0:  # once per job: the ranks of a job share their environment
             for var, what in _config.unknown_variables():
@@ -184,13 +186,22 @@ def shutdown(timeout: float = 60.0) -> None:
 
     Synchronization: the engine stops at a cycle that all ranks share, so a rank that calls
     shutdown() ends the other ranks' engines too (their pending ops fail with a clear error).
-    MPI itself stays initialised, so init() may be called again.
+    MPI itself stays initialised, so init() may be called again. If an engine of this rank failed
+    in the middle of a cycle, the job is ended instead (MPI_Abort): its peers could otherwise wait
+    forever in a collective it left.
     """
     global _state
     with _init_lock:
         state, _state = _state, None
     if state is None:
         return
+    broken = [sid for sid, m in state.members.items() if not m.engine.clean]
+    if broken and state.comms.size > 1:
+        from .engine import mpi  # imported late: importing it initialises MPI
+        # Its peers may wait in a collective this rank left mid-cycle: they would wait forever.
+        mpi.abort_job(f"shutdown: the engine of process set(s) {broken} failed in the middle "
+                      f"of a cycle on rank {state.comms.rank}; its peers may be waiting in a "
+                      f"collective it left, so every rank of the job is ended")
     stopped = True
     for sid in sorted(state.members, reverse=True):  # process sets first, the global set last
         if not state.members[sid].engine.stop(timeout):

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from ..errors import EngineShutdownError
 from ..log import logger
-from . import autotune, timeline
+from . import autotune, interrupts, timeline
 from .backends import make_backend
 from .messages import OpType
 from .protocol import WAKE_POLL_S, Negotiator
@@ -53,7 +53,7 @@ class Engine:
         self._spin = False
         self._stop = False
         self._reason: Optional[BaseException] = None  # why the engine stopped, once it has
-        self._clean = True
+        self.clean = True
         self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
         self._lone = Lane()  # the band of a lone op that drive() runs as express() does
 
@@ -104,9 +104,11 @@ class Engine:
             return
         try:
             self._spin = True
+            interrupts.defer()
             if len(entries) == 1 and self._hold(entries[0], queued=True):
                 self._guarded_cycle(entries[0], self._lone)  # express()'s first cycle
-            while self._reason is None and not all(e.done() for e in entries):
+            while self._reason is None and not all(e.done() for e in entries) \
+                    and not interrupts.pending():
                 if not self._guarded_cycle():
                     self._back_off()
         finally:
@@ -131,8 +133,9 @@ class Engine:
             if not self._hold(entry):
                 return False
             self._spin = True
+            interrupts.defer()
             self._guarded_cycle(entry, plan)
-            while self._reason is None and not entry._done:
+            while self._reason is None and not entry._done and not interrupts.pending():
                 if not self._guarded_cycle():
                     self._back_off()
         finally:
@@ -140,11 +143,13 @@ class Engine:
         return True
 
     def _driven(self) -> None:
-        """A user thread stops driving: release the cycle lock to the engine thread."""
+        """A user thread stops driving: release the cycle lock to the engine thread; raise the
+        Ctrl-C held meanwhile (interrupts.py)."""
         self._spin = False
         self._lock.release()
         if self.queue.ops or self._reason is not None or self._stop:
             self.queue.notify()  # the engine thread carries on with what remains
+        interrupts.deliver()
 
     def _hold(self, entry: Entry, queued: bool = False) -> bool:
         """Admit `entry` as the one op in flight, on its cache bit, if express() may run it;
@@ -207,7 +212,7 @@ class Engine:
             self.timeline.close()
         if self.sampler is not None:
             self.sampler.close()
-        if not self._clean:
+        if not self.clean:
             return  # an MPI call may be half done: freeing communicators could hang
         try:
             self.backend.close()  # gloo/NCCL process groups; nothing for MPI
@@ -237,8 +242,10 @@ class Engine:
         try:
             return self._cycle(first, plan)
         except BaseException as exc:
-            logger.error("engine failed:\n%s", traceback.format_exc())
-            self._clean = False
+            logger.error("engine failed on rank %d%s", self.rank, (
+                ": a second Ctrl-C before the first one's cycle ended" if isinstance(
+                    exc, KeyboardInterrupt) else ":\n" + traceback.format_exc()))
+            self.clean = False  # peers may be in a collective it left: shutdown() ends the job
             self._halt(EngineShutdownError(f"mpidp's engine failed on rank {self.rank}: "
                                            f"{type(exc).__name__}: {exc}"))
             if not isinstance(exc, Exception):

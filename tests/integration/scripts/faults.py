@@ -1,4 +1,5 @@
-"""Train a small model; one fault on one rank at a step: raise, kill, stall, engine, datapath."""
+"""Train a small model; one fault on one rank at a step: raise, kill, stall, engine (its error
+raised, or caught and the script ended normally), datapath."""
 
 import argparse
 import os
@@ -11,7 +12,8 @@ import torch
 import mpidp
 
 parser = argparse.ArgumentParser()
-parser.add_argument("mode", choices=["none", "raise", "kill", "stall", "engine", "datapath"])
+parser.add_argument("mode", choices=["none", "raise", "kill", "stall", "engine", "engine_caught",
+                                     "datapath"])
 parser.add_argument("--rank", type=int, default=1)
 parser.add_argument("--step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=10)
@@ -36,7 +38,7 @@ def fault() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if args.mode == "stall":
         time.sleep(3600)  # stops submitting, as a rank stuck in data loading or a deadlock would
-    if args.mode == "engine":
+    if args.mode in ("engine", "engine_caught"):
         engine = mpidp.runtime.state().engine
 
         def broken_cycle(*args):
@@ -48,7 +50,9 @@ def fault() -> None:
             mpidp.allreduce(torch.ones(1), name="after.engine.failure")
         except mpidp.EngineShutdownError as exc:
             print(f"rank {rank}: later op failed: {exc}", flush=True)
-            raise
+            if args.mode == "engine":
+                raise
+            sys.exit(0)  # quietly: no excepthook runs, only shutdown() at exit
 
 
     if args.mode == "datapath":

@@ -1,0 +1,62 @@
+"""Ctrl-C while the main thread runs engine cycles: deferred to the end of the cycle in flight.
+
+Python runs a SIGINT handler on the main thread between two bytecodes, and a blocking call on
+the main thread runs engine cycles there (Engine.drive, Engine.express). A KeyboardInterrupt
+raised in the middle of a cycle would leave the peers in a collective this rank never finishes,
+and the engine broken on this rank, so a script that catches Ctrl-C (to save a checkpoint, say)
+could neither go on nor let the others end. While the main thread drives the engine, the
+handler installed by init() only notes the first SIGINT; the driving call raises it between
+two cycles, with the engine whole, and the op it waited for stays with the engine thread. A
+second SIGINT before that is raised at once (a way out when a peer never comes).
+"""
+
+import signal
+import threading
+
+_MAIN = threading.main_thread().ident
+_driving = False   # the main thread is running engine cycles
+_pending = False   # a SIGINT arrived meanwhile, not raised yet
+_previous = None   # the handler ours replaced (raises KeyboardInterrupt)
+
+
+def _on_sigint(signum, frame):
+    global _pending
+    if _driving and not _pending:
+        _pending = True
+        return
+    _pending = False
+    _previous(signum, frame)
+
+
+def install() -> None:
+    """Defer SIGINT during driven cycles, if this is the main thread and SIGINT still has
+    Python's own handler (a script's handler is left alone)."""
+    global _previous
+    if threading.get_ident() != _MAIN or signal.getsignal(signal.SIGINT) is not \
+            signal.default_int_handler:
+        return
+    _previous = signal.default_int_handler
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def defer() -> None:
+    """This thread starts running engine cycles: on the main thread, hold a first SIGINT."""
+    global _driving
+    if threading.get_ident() == _MAIN:
+        _driving = True
+
+
+def pending() -> bool:
+    """A SIGINT is held: the driving call should stop after the cycle in flight."""
+    return _pending
+
+
+def deliver() -> None:
+    """This thread stops running engine cycles; raise the SIGINT held meanwhile, if any."""
+    global _driving, _pending
+    if threading.get_ident() != _MAIN:
+        return
+    _driving = False
+    if _pending:
+        _pending = False
+        raise KeyboardInterrupt
