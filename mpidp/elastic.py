@@ -51,6 +51,11 @@ class State(abc.ABC):
         for callback in self._reset_callbacks:
             callback()
 
+    def check_host_updates(self) -> None:
+        """Horovod raises HostsUpdatedInterrupt here when its driver announces hosts joining or
+        leaving. An MPI job's hosts never change while it runs (see the module doc), so there
+        is never anything to raise. Synchronization: none."""
+
     def checkpoint_path(self) -> str:
         """Rank 0's checkpoint path ('' for none). Collective the first time: a broadcast."""
         if self._checkpoint_path is None:

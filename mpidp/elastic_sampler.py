@@ -63,6 +63,8 @@ class ElasticSampler(torch.utils.data.Sampler):
             # From the head of the full order: a resumed epoch pads exactly as an uninterrupted one.
             remaining = remaining + [order[i % n] for i in range(pad)]
         self._remaining = len(order) - self._base
+        self._order = order
+        self._local = 0  # samples this rank has recorded since this deal
         self.indices = remaining[self.rank:total:self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
@@ -75,8 +77,26 @@ class ElasticSampler(torch.utils.data.Sampler):
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Every rank has finished its batches 0..batch_idx (of `batch_size` samples per rank)
         since the last reset (a load, a new epoch): the loader's own batch index will do."""
-        done = (batch_idx + 1) * batch_size * self.num_replicas
-        self.processed = self._base + min(done, self._remaining)
+        self._record((batch_idx + 1) * batch_size)
+
+    def record_indices(self, indices) -> None:
+        """Every rank has finished as many more samples as `indices` (this rank's) holds, as
+        Horovod's record_indices after get_indices; ranks record in step."""
+        self._record(self._local + len(indices))
+
+    def _record(self, local: int) -> None:
+        self._local = local
+        self.processed = self._base + min(local * self.num_replicas, self._remaining)
+
+    def get_indices(self, batch_idx: int, batch_size: int):
+        """This rank's data-set indices of batch `batch_idx` (of `batch_size`) since the last
+        reset."""
+        return self.indices[batch_idx * batch_size:(batch_idx + 1) * batch_size]
+
+    @property
+    def processed_indices(self):
+        """The data-set indices of this epoch that every rank together has processed."""
+        return set(self._order[:self.processed])
 
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "processed": self.processed, "seed": self.seed}

@@ -286,3 +286,35 @@ def test_sampler_uses_mpidp_world_by_default():
     flat = [i for part in parts for i in part]
     assert_all(set(flat) == set(range(30)) and s.num_replicas == mpidp.size(),
                f"{parts}")
+
+
+def test_sampler_get_and_record_indices_as_in_horovod():
+    """Horovod's other way of recording progress: get_indices(batch) then record_indices; it
+    counts as record_batch does, and processed_indices is what every rank together has done."""
+    by_batch, by_indices = _shards(3, dataset_len=23, seed=5), _shards(3, dataset_len=23, seed=5)
+    done = set()
+    for b in range(2):
+        for s in by_indices:
+            indices = s.get_indices(b, 4)
+            done.update(indices)
+            s.record_indices(indices)
+        for s in by_batch:
+            s.record_batch(b, 4)
+    same = all(a.state_dict() == b.state_dict() for a, b in zip(by_batch, by_indices))
+    ok = same and by_indices[0].processed == 24 - 1 and \
+        by_indices[0].processed_indices == set(range(23)) and len(done) == 23
+    first = _shards(2, dataset_len=23, seed=5)
+    for s in first:
+        s.record_indices(s.get_indices(0, 3))
+    seen = {i for s in first for i in s.get_indices(0, 3)}
+    ok = ok and first[0].processed_indices == seen == first[1].processed_indices
+    assert_all(ok, f"{[s.state_dict() for s in by_indices]} {sorted(done)}")
+
+
+def test_check_host_updates_is_there_and_does_nothing():
+    """Horovod's elastic scripts call it between commits; an MPI job's hosts never change."""
+    state = elastic.ObjectState(epoch=1)
+    state.check_host_updates()
+    state.commit()
+    state.check_host_updates()
+    assert_all(state.epoch == 1, "state changed")
