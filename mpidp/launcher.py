@@ -132,6 +132,12 @@ def build_command(args, flavor: str, mpiexec: str = "mpiexec",
     environ = os.environ if environ is None else environ
     hosts = (parse_hosts(args.hosts) if args.hosts is not None else
              read_hostfile(args.hostfile) if args.hostfile is not None else None)
+    if hosts and sum(slots for _, slots in hosts) < args.num_proc:
+        where = "-H" if args.hosts is not None else f"--hostfile {args.hostfile}"
+        raise UsageError(f"-np {args.num_proc} asks for more ranks than the "
+                         f"{sum(slots for _, slots in hosts)} slots {where} gives "
+                         f"({','.join(f'{h}:{s}' for h, s in hosts)}); give more slots or "
+                         f"fewer ranks (horovodrun refuses this too)")
     rank_env, launch_env = knob_env(args), {}
     ssh = f"-o ConnectTimeout={args.start_timeout}" if args.start_timeout else ""
     if flavor == "mpich":

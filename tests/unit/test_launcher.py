@@ -113,6 +113,18 @@ def test_bad_hostfile_names_the_line(tmp_path, text, expected):
     assert expected in _usage_error(["-np", "2", "--hostfile", str(path), "python", "t.py"])
 
 
+@pytest.mark.parametrize("flavor", ["mpich", "openmpi"])
+def test_more_ranks_than_slots_is_refused_as_horovodrun_does(tmp_path, flavor):
+    message = _usage_error(["-np", "4", "-H", "localhost:2", "python", "t.py"], flavor)
+    assert "-np 4 asks for more ranks than the 2 slots -H gives (localhost:2)" in message
+    path = tmp_path / "hosts"
+    path.write_text("a slots=2\nb slots=1\n")
+    message = _usage_error(["-np", "4", "--hostfile", str(path), "python", "t.py"], flavor)
+    assert f"3 slots --hostfile {path} gives (a:2,b:1)" in message
+    cmd, _ = _build(["-np", "3", "--hostfile", str(path), "python", "t.py"], flavor)
+    assert "a:2,b:1" in cmd
+
+
 def test_missing_hostfile_is_a_usage_error(tmp_path):
     message = _usage_error(["-np", "2", "--hostfile", str(tmp_path / "nope"), "python", "t.py"])
     assert "cannot read it" in message and "nope" in message
