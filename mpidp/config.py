@@ -232,9 +232,16 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
         except ValueError as exc:
             raise ConfigError(f"{field}={value!r} is not valid: {exc}. {knob.doc}") from None
         explicit.add(field)
+    try:  # horovodrun --no-stall-check's variable: both stall knobs 0 unless set themselves
+        if _parse_bool(env.get(STALL_CHECK_DISABLE, "0")):
+            values.update({f: 0.0 for f in ("stall_warning_s", "stall_shutdown_s")
+                           if f not in explicit})
+    except ValueError as exc:
+        raise ConfigError(f"{STALL_CHECK_DISABLE}={env[STALL_CHECK_DISABLE]!r}: {exc}") from None
     return Config(explicit=frozenset(explicit), **values)
 
 
+STALL_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"  # 1: no stall warning or shutdown
 # Variables of ours that are not knobs: the Slurm batch scripts in examples/slurm read them.
 SCRIPT_VARIABLES = ("MPIDP_VENV", "MPIDP_PYTHON", "MPIDP_TRAIN", "MPIDP_MPIRUN")
 
@@ -269,7 +276,7 @@ def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[Tuple[str
     """(variable, what to say) for every MPIDP_* or HOROVOD_* variable that is not a knob:
     a misspelling is otherwise ignored without a word. Names the closest knob's variable."""
     env = os.environ if env is None else env
-    known = {v for k in KNOBS for v in (k.env, k.horovod) if v}
+    known = {v for k in KNOBS for v in (k.env, k.horovod) if v} | {STALL_CHECK_DISABLE}
     out = []
     for var in sorted(env):
         if not var.startswith(("MPIDP_", "HOROVOD_")) or var in known \
@@ -287,13 +294,3 @@ def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[Tuple[str
             what = "not an mpidp knob, and ignored (`python -m mpidp doctor` lists the knobs)"
         out.append((var, what))
     return out
-
-
-def describe() -> str:
-    """Every knob in plain text, a line each: variables, default, doc (the README's markdown
-    table is mpidp.knob_docs.render())."""
-    lines = []
-    for k in KNOBS:
-        alias = f" (alias {k.horovod})" if k.horovod else ""
-        lines.append(f"{k.env}{alias} = {k.default!r}: {k.doc}")
-    return "\n".join(lines)

@@ -66,6 +66,16 @@ def rewrite(text: str, block: Optional[str] = None) -> str:
     return text[:start] + (render() if block is None else block) + text[stop:]
 
 
+def describe() -> str:
+    """Every knob in plain text, a line each: variables, default, doc (render() makes the
+    README's markdown table)."""
+    lines = []
+    for k in KNOBS:
+        alias = f" (alias {k.horovod})" if k.horovod else ""
+        lines.append(f"{k.env}{alias} = {k.default!r}: {k.doc}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print the table, or (--write) rewrite a file's table, or (--check) exit 1 if it is stale."""
     parser = argparse.ArgumentParser(prog="python -m mpidp.knob_docs", description=__doc__)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mpidp import config
+from mpidp import config, knob_docs
 from mpidp.errors import ConfigError, MpidpError
 
 MiB = 1024 * 1024
@@ -204,7 +204,7 @@ def test_explicit_records_env_and_overrides_only():
 
 
 def test_describe_lists_every_knob_variable_alias_and_default():
-    text = config.describe()
+    text = knob_docs.describe()
     lines = text.splitlines()
     assert len(lines) == len(config.KNOBS)
     for knob, line in zip(config.KNOBS, lines):
@@ -251,6 +251,23 @@ def test_unknown_variables_name_the_closest_knob():
     assert got["HOROVOD_GPU_OPERATIONS"] == "a Horovod setting mpidp does not have; ignored"
     assert "doctor" in got["MPIDP_ZZZ"]
     assert config.unknown_variables({}) == []
+
+
+@pytest.mark.parametrize("env, warning, shutdown", [
+    ({"HOROVOD_STALL_CHECK_DISABLE": "1"}, 0.0, 0.0),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "true", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "9"}, 0.0, 9.0),
+    ({"HOROVOD_STALL_CHECK_DISABLE": "0"}, 60.0, 0.0),
+])
+def test_horovods_stall_check_disable_turns_both_stall_knobs_off(env, warning, shutdown):
+    """horovodrun --no-stall-check sets it; a stall knob set by itself still counts."""
+    cfg = config.load(env)
+    assert (cfg.stall_warning_s, cfg.stall_shutdown_s) == (warning, shutdown)
+    assert config.unknown_variables(env) == []
+
+
+def test_a_bad_stall_check_disable_value_names_the_variable():
+    with pytest.raises(ConfigError, match="HOROVOD_STALL_CHECK_DISABLE='maybe'"):
+        config.load({"HOROVOD_STALL_CHECK_DISABLE": "maybe"})
 
 
 def test_config_fields_are_the_knobs_in_order_then_explicit():
