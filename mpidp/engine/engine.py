@@ -226,8 +226,8 @@ class Engine:
             return (f"process set {self.set_id} was removed (a member called "
                     f"mpidp.remove_process_set() or mpidp.shutdown()) while this op was pending "
                     f"or after; add the set again on every rank to continue")
-        return ("mpidp was shut down (a rank called mpidp.shutdown()) while this op was pending; "
-                "call mpidp.init() again on every rank to continue")
+        return ("mpidp was shut down by a rank (mpidp.shutdown(), or its script ended) while this "
+                "op was pending; if all ranks still run, mpidp.init() on each starts over")
 
     def _halt(self, reason: BaseException) -> None:
         """Stop for good: refuse new ops and fail every op in flight with `reason`."""
