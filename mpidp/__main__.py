@@ -1,4 +1,4 @@
-"""Command line: `python -m mpidp doctor` (also installed as the `mpidp` command)."""
+"""Command line: `python -m mpidp doctor|timeline` (also installed as the `mpidp` command)."""
 
 import argparse
 import sys
@@ -17,10 +17,26 @@ def main(argv=None) -> int:
                     "code is 0 only when every check passed.")
     doctor.add_argument("--timeout", type=float, default=60.0,
                         help="seconds each smoke-test collective may take (default 60)")
+    check = sub.add_parser(
+        "timeline", help="check a timeline file before opening it in Perfetto",
+        description="Check that a timeline (MPIDP_TIMELINE) follows the Trace Event Format rules "
+                    "Perfetto and chrome://tracing rely on; a file cut short by a killed process "
+                    "is read as far as it goes. Exit code 1 names the first bad event.")
+    check.add_argument("file")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from .doctor import run
         return run(timeout=args.timeout)
+    if args.command == "timeline":
+        from .engine import timeline
+        try:
+            found = timeline.validate(timeline.load(args.file))
+        except (OSError, ValueError) as exc:
+            print(f"{args.file}: not a valid trace: {exc}", file=sys.stderr)
+            return 1
+        print(f"{args.file}: valid trace, {sum(found.values())} events "
+              f"({', '.join(f'{n} {ph}' for ph, n in sorted(found.items()))})")
+        return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
 

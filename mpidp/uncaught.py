@@ -36,8 +36,25 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
     previous = _previous
     if previous is not None and previous is not sys.__excepthook__:
         previous(exc_type, exc, tb)  # the user's own hook still runs; the default would repeat ours
+    _close_timelines()
     # Without this, the other ranks would wait in their next collective for this one forever.
     mpi.end_job(_ABORT_GRACE_S)
+
+
+def _close_timelines() -> None:
+    """End this rank's timeline files as JSON (the abort skips shutdown(), which would), each
+    between two of its engine's cycles."""
+    from . import runtime  # imported late: runtime imports this module
+    state = runtime.current()
+    for member in (state.members.values() if state is not None else ()):
+        engine = member.engine
+        if engine.timeline is not None and engine.cycle_lock.acquire(timeout=1.0):
+            try:
+                engine.timeline.close()
+            except Exception:  # the abort matters more than the file
+                pass
+            finally:
+                engine.cycle_lock.release()
 
 
 def said_once(error: BaseException, rank: int) -> BaseException:

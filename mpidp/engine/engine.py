@@ -49,7 +49,7 @@ class Engine:
         self.timeline: Optional[Timeline] = timeline.from_start(config, set_id, self.rank)
         self._waiters_lock = threading.Lock()
         self.waiters = 0  # user threads blocked on a result: the band may then spin for peers
-        self._lock = threading.Lock()  # the cycle lock: whoever holds it may call MPI
+        self.cycle_lock = threading.Lock()  # the cycle lock: whoever holds it may call MPI
         self._spin = False
         self._stop = False
         self._reason: Optional[BaseException] = None  # why the engine stopped, once it has
@@ -99,7 +99,7 @@ class Engine:
         """
         if all(e.done() for e in entries):
             return
-        if not self._lock.acquire(blocking=False):
+        if not self.cycle_lock.acquire(blocking=False):
             self.queue.notify()  # it may have been told of nothing (submit(notify=False))
             return
         try:
@@ -127,7 +127,7 @@ class Engine:
         the engine is busy or the op is not cached: submit() it instead. Synchronization: as
         drive().
         """
-        if not self._lock.acquire(blocking=False):
+        if not self.cycle_lock.acquire(blocking=False):
             return False
         try:
             if not self._hold(entry):
@@ -146,7 +146,7 @@ class Engine:
         """A user thread stops driving: release the cycle lock to the engine thread; raise the
         Ctrl-C held meanwhile (interrupts.py)."""
         self._spin = False
-        self._lock.release()
+        self.cycle_lock.release()
         if self.queue.ops or self._reason is not None or self._stop:
             self.queue.notify()  # the engine thread carries on with what remains
         interrupts.deliver()
@@ -181,7 +181,7 @@ class Engine:
         try:
             while True:
                 self.queue.sleep(WAKE_POLL_S, self._has_work)
-                with self._lock:
+                with self.cycle_lock:
                     if self._reason is None:
                         self.neg.woken()
                     while self._reason is None and self._has_work():

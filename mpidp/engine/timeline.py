@@ -267,10 +267,3 @@ def validate(events) -> Dict[str, int]:
             stack.append((begin, end, name))
     return counts
 
-
-if __name__ == "__main__":
-    # python -m mpidp.engine.timeline FILE: check a timeline before opening it in Perfetto.
-    import sys
-    found = validate(load(sys.argv[1]))
-    print(f"{sys.argv[1]}: valid trace, {sum(found.values())} events "
-          f"({', '.join(f'{n} {ph}' for ph, n in sorted(found.items()))})")

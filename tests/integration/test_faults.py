@@ -1,5 +1,6 @@
 """Faults under mpiexec: a rank that raises, dies, stalls or loses its engine ends the job."""
 
+import json
 import os
 import re
 import signal
@@ -42,6 +43,15 @@ def test_uncaught_exception_aborts_every_rank(n, rank):
     assert f"injected failure on rank {rank} at step 3" in res.stderr  # the traceback
     assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
     assert "finished" not in res.stdout
+
+
+def test_rank_0s_timeline_is_whole_json_after_an_uncaught_exception_there(tmp_path):
+    """The abort skips shutdown(), which ends the timeline's JSON array: the hook ends it."""
+    path = tmp_path / "timeline.json"
+    res, _ = _launch(3, "raise", 0, env={"MPIDP_TIMELINE": str(path)})
+    assert res.returncode != 0 and "aborting all 3 ranks" in res.stderr, res.output
+    events = json.loads(path.read_text())  # strict: no closing bracket would fail here
+    assert any(e.get("ph") == "X" for e in events), events[:5]
 
 
 def test_exception_with_abort_off_still_ends_the_job():
