@@ -9,7 +9,9 @@ from .log import logger
 
 _previous = None
 _ABORT_GRACE_S = 0.3
-_INTERRUPT_QUIET_S = 1.0  # how long a rank other than 0 lets rank 0 report a Ctrl-C first
+_INTERRUPT_QUIET_S = 1.0  # how long rank 1 lets rank 0 report a Ctrl-C first
+_INTERRUPT_STAGGER_S = 1.0  # how much longer each further rank waits, up to rank 1 + _STAGGERED
+_STAGGERED = 3
 
 
 def _abort_on_uncaught(exc_type, exc, tb) -> None:
@@ -21,11 +23,12 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
         return
     rank, size = world
     if issubclass(exc_type, KeyboardInterrupt):
-        # Ctrl-C reaches every rank at once: a traceback per rank says nothing. Rank 0 says it
-        # in one line and ends the job; another rank speaks only if it was interrupted alone
-        # (the job is still there after rank 0 had its chance).
+        # Ctrl-C reaches every rank at once: a traceback per rank says nothing. The lowest rank
+        # that can speaks in one line and ends the job before the next one's turn. Rank 0 may
+        # not get to: its Ctrl-C is held while it waits in a cycle its peers have left, so each
+        # rank waits longer than the one before it (a rank interrupted alone speaks in the end).
         if rank != 0:
-            time.sleep(_INTERRUPT_QUIET_S)
+            time.sleep(_INTERRUPT_QUIET_S + _INTERRUPT_STAGGER_S * min(rank - 1, _STAGGERED))
         logger.critical("interrupted (KeyboardInterrupt) on rank %d (host %s); ending all %d "
                         "ranks of the job", rank, socket.gethostname(), size)
     else:

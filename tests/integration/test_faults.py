@@ -122,8 +122,8 @@ def test_data_path_failure_on_one_rank_ends_the_job(abort_on_error):
 
 def _interrupt(target: str, mode: str = "idle", *args):
     """Start 3 ranks of scripts/interrupt.py in `mode`, send SIGINT to the job's whole process
-    group (what Ctrl-C in a terminal does) or to rank 2 alone; returns (exit code, output,
-    seconds to the end)."""
+    group (what Ctrl-C in a terminal does), to rank 2 alone, or to ranks 1 and 2 ("peers");
+    returns (exit code, output, seconds to the end)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([mpiexec(), "-n", "3", sys.executable,
                              str(SCRIPTS / "interrupt.py"), mode, *args], env=env,
@@ -147,7 +147,8 @@ def _interrupt(target: str, mode: str = "idle", *args):
         if target == "job":
             os.killpg(proc.pid, signal.SIGINT)
         else:
-            os.kill(pids[2], signal.SIGINT)
+            for r in ((1, 2) if target == "peers" else (2,)):
+                os.kill(pids[r], signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         return proc.returncode, "".join(lines) + out, time.time() - began
     finally:
@@ -156,10 +157,12 @@ def _interrupt(target: str, mode: str = "idle", *args):
             proc.wait()
 
 
-@pytest.mark.parametrize("target, speaker", [("job", 0), ("rank", 2)])
+@pytest.mark.parametrize("target, speaker", [("job", 0), ("rank", 2), ("peers", 1)])
 def test_ctrl_c_is_reported_once_per_job(target, speaker):
     """Ctrl-C reaches every rank: one line for the job (rank 0's), no traceback per rank. A
-    rank interrupted alone says so itself, and the job ends too."""
+    rank interrupted alone says so itself, and the job ends too. When rank 0 does not raise
+    (its Ctrl-C held in a cycle its peers left, as seen in CI), the lowest rank that did
+    speaks, alone."""
     rc, out, secs = _interrupt(target)
     assert rc != 0, out
     assert out.count("interrupted (KeyboardInterrupt)") == 1, out
