@@ -73,21 +73,25 @@ def _param_names(optimizer, model) -> List[str]:
     return [by_param.get(p, f"param.{i}") for i, p in enumerate(params)]
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
+                              process_set=None) -> None:
     """Make every rank's optimizer state equal to global rank `root_rank`'s.
 
     Broadcasts the state itself, never a dummy step (which would move weights under weight
     decay and advance Adam's step count): tensor state travels as tensors, scalar state and
     every param-group option keep their Python types. `model`, if given, names the tensors
     after its parameters (clearer errors). For a ShardedOptimizer, whose state is each rank's
-    own shard, only the param groups' options are copied. Synchronization: blocks on every rank.
+    own shard, only the param groups' options are copied. `process_set` (default: global) holds
+    the ranks that take part; `root_rank` is a global rank. Synchronization: blocks on every
+    rank of that set.
     """
     opt = getattr(optimizer, "_opt", optimizer)
     if getattr(optimizer, "is_sharded", False):
         # A ShardedOptimizer's state is each rank's own part: only the options are copied.
         groups = broadcast_object([{k: v for k, v in g.items() if k != "params"}
                                    for g in opt.param_groups], root_rank,
-                                  name="broadcast_optimizer_state.options")
+                                  name="broadcast_optimizer_state.options",
+                                  process_set=process_set)
         for group, options in zip(opt.param_groups, groups):
             group.update(options)
         return
@@ -102,7 +106,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
                                       if isinstance(v, torch.Tensor) else ("value", v))
                                   for k, v in entry.items()}
                             for idx, entry in state["state"].items()}}
-    layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state.layout")
+    layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state.layout",
+                              process_set=process_set)
     new_state = {}
     handles = []
     for idx in sorted(layout["state"]):
@@ -119,7 +124,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None) -> None
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             label = names[idx] if idx < len(names) else f"param.{idx}"
             handles.append(ops.broadcast_async_(
-                tensor, root_rank, name=f"broadcast_optimizer_state.{label}.{key}"))
+                tensor, root_rank, name=f"broadcast_optimizer_state.{label}.{key}",
+                process_set=process_set))
             entry[key] = tensor
         new_state[idx] = entry
     for handle in handles:

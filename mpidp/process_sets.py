@@ -10,7 +10,9 @@ class ProcessSet:
 
     Register it by passing it to init(process_sets=[...]) or add_process_set(); it then has a
     `process_set_id` and may be passed as `process_set=` to every collective. Its members
-    negotiate on their own communicator, so ranks outside the set are never involved.
+    negotiate on their own communicator, so ranks outside the set are never involved. A
+    communicator may differ by rank (COMM_WORLD split by parity, say): one set is registered per
+    distinct communicator, and the object is the set of this rank's part on each rank.
     """
 
     def __init__(self, ranks_or_comm):

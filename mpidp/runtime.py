@@ -25,6 +25,7 @@ class _State:
         self.admin = admin  # user-thread collectives (process-set registration), apart from engines
         self.sets = {0: tuple(range(comms.size))}  # every registered set: id -> world ranks
         self.members = {0: Member(0, self.sets[0], engine, comms.rank)}  # sets this rank is in
+        self.parts = {}  # set id -> ids of every part of a communicator split several ways
         self.next_set_id = 1
         self.set_lock = threading.Lock()
         self.thread_multiple = False  # MPI runs at MPI_THREAD_MULTIPLE (set by init())

@@ -187,6 +187,23 @@ def test_distributed_optimizer_on_a_set(evens_odds, device):
     assert_all(same and differ, "set members diverged, or the sets were reduced together")
 
 
+def test_broadcast_optimizer_state_within_a_set(evens_odds):
+    """Each set copies its first member's Adam state to its other members, and only them."""
+    rank, _ = _world()
+    mine, _ = _mine(*evens_odds)
+    model = torch.nn.Linear(3, 2)
+    opt = mpidp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1 + rank),
+                                     named_parameters=model.named_parameters(), process_set=mine)
+    model(torch.full((2, 3), float(rank))).sum().backward()
+    opt._opt.step()  # local state that differs by rank
+    run_all(mpidp.broadcast_optimizer_state, opt, root_rank=mine.ranks[0], process_set=mine)
+    state = opt.state_dict()
+    mine_avg = [v["exp_avg"].tolist() for _, v in sorted(state["state"].items())]
+    views = gather((state["param_groups"][0]["lr"], mine_avg))
+    ok = all(views[r] == views[mine.ranks[0]] for r in mine.ranks) and views[0] != views[1]
+    assert_all(ok, views)
+
+
 def test_distributed_optimizer_outside_its_set_steps_on_local_gradients(evens_odds):
     """As in Horovod: on a rank outside the set the optimizer hooks nothing, synchronize() does
     nothing and step() applies this rank's own gradients; the members reduce among themselves."""
@@ -271,6 +288,46 @@ def test_set_from_a_communicator():
         run_all(mpidp.remove_process_set, ps)
         if comm != MPI.COMM_NULL:
             comm.Free()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_communicator_split_several_ways_gives_one_set_per_part(static):
+    """Horovod's own example: COMM_WORLD split by parity, one ProcessSet object on every rank;
+    each rank's object is its part's set, and removing it removes every part."""
+    rank, size = _world()
+    comm = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
+    mine = list(range(rank % 2, size, 2))
+    ps = mpidp.ProcessSet(comm)
+    if static:
+        mpidp.shutdown()
+        run_all(mpidp.init, process_sets=[ps])
+    else:
+        ps = run_all(mpidp.add_process_set, ps)
+    try:
+        out = run_all(mpidp.allreduce, torch.tensor([float(rank)]), op=mpidp.Sum, process_set=ps)
+        ok = (ps.ranks == mine and ps.size() == len(mine) and ps.rank() == mine.index(rank)
+              and out.item() == sum(mine) and len(mpidp.runtime.state().sets) == 3)
+        assert_all(ok, (ps, ps.ranks, out, mpidp.runtime.state().sets))
+    finally:
+        if static:
+            mpidp.shutdown()
+            mpidp.init()
+        else:
+            run_all(mpidp.remove_process_set, ps)
+            sets = mpidp.runtime.state().sets
+            assert_all(list(sets) == [0], sets)
+            again = run_all(mpidp.add_process_set, list(range(0, size, 2)))  # a part, freed
+            run_all(mpidp.remove_process_set, again)
+        comm.Free()
+
+
+def test_communicators_that_overlap_are_refused():
+    rank, size = _world()
+    comm = MPI.COMM_WORLD.Split(color=0 if rank < 2 else 1, key=rank)
+    # Rank 0 names a set its partner does not: [0] alone, while rank 1 says [0, 1].
+    ps = mpidp.ProcessSet(MPI.COMM_SELF if rank == 0 else comm)
+    raises_all(ValueError, mpidp.add_process_set, ps, match="ranks disagree")
+    comm.Free()
 
 
 @pytest.mark.mpi(min_size=3)  # at 2 ranks the set [0, 1] would be the global set
