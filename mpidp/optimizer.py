@@ -6,7 +6,7 @@ from typing import Dict
 
 import torch
 
-from . import op_args, ops, overlap, pass_guard, runtime
+from . import op_args, ops, overlap, pass_guard, runtime, wrapped
 from .sparse import SparseGradients, sparse_allreduce_async
 from .buckets import Bucket, group_ids, make_buckets, named
 from .process_sets import is_outside, member_of
@@ -14,12 +14,12 @@ from .compression import Compression
 from .ops import Average
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(wrapped.OptimizerWrapper):
     """Wraps `optimizer`; averages gradients across ranks, overlapping the backward pass.
 
-    A wrapper, not a class built at run time: `isinstance(opt, torch.optim.Optimizer)` holds and
-    every attribute of the wrapped optimizer (`param_groups`, `state`, `defaults`, ...) is
-    reached through it, so LR schedulers and GradScaler work unchanged.
+    As in Horovod, its class is built from the wrapped optimizer's: `isinstance(opt,
+    torch.optim.SGD)` holds for a wrapped SGD. The state stays in the wrapped optimizer, reached
+    through this one (wrapped.OptimizerWrapper), so LR schedulers and GradScaler work unchanged.
     """
 
     # Reduce ops whose optimizer works otherwise register their subclass here, so that this
@@ -30,7 +30,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op = kwargs.get("op", args[4] if len(args) > 4 else None)
         if cls is DistributedOptimizer and isinstance(op, int):
             cls = DistributedOptimizer.variants.get(op, cls)
-        return super().__new__(cls)
+        return super().__new__(wrapped.mixed(cls, kwargs.get("optimizer",
+                                                             args[0] if args else None)))
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step: int = 1, op=Average,
@@ -100,28 +101,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Parameter -> the name its gradient is reduced under (Horovod's map; scripts read it)."""
         return self._names
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["_opt"], name)
-
-    param_groups = property(lambda self: self._opt.param_groups,
-                            lambda self, value: setattr(self._opt, "param_groups", value))
-
-    @property
-    def state(self):
-        return self._opt.state
-
-    @property
-    def defaults(self):
-        return self._opt.defaults
-
     def __repr__(self):
         return f"DistributedOptimizer({self._opt!r})"
-
-    def state_dict(self):
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state_dict):
-        return self._opt.load_state_dict(state_dict)
 
     def add_param_group(self, param_group):
         raise ValueError("DistributedOptimizer: add parameter groups to the optimizer before "

@@ -103,9 +103,12 @@ def test_clipping_after_synchronize_clips_the_global_gradient(device):
 
 
 @pytest.mark.mpi
-def test_grad_scaler_loop_skips_the_same_steps_on_every_rank():
+@pytest.mark.parametrize("fused", [False, True])
+def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused):
+    """A fused optimizer takes GradScaler's scale and inf flag as attributes set on the
+    optimizer it is given (the wrapper): they must reach the wrapped one."""
     model = _model().float()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=fused),
                                      named_parameters=model.named_parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     before_skip = None
@@ -566,6 +569,28 @@ def test_wrapping_twice_says_so():
                                      named_parameters=model.named_parameters())
     raises_all(ValueError, mpidp.DistributedOptimizer, opt,
                named_parameters=model.named_parameters(), match="already a DistributedOptimizer")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "Adasum"])
+def test_wrapped_optimizer_is_an_instance_of_its_class(kind):
+    """As in Horovod, scripts that branch on isinstance(opt, torch.optim.Adam) or read
+    type(opt).__name__ see the wrapped optimizer's class; schedulers and state still work."""
+    if kind == "Adasum" and mpidp.size() & (mpidp.size() - 1):
+        pytest.skip("Adasum needs a power-of-2 number of ranks")
+    model = _model()
+    inner = (torch.optim.Adam if kind == "Adam" else torch.optim.SGD)(model.parameters(), lr=0.1)
+    opt = mpidp.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                     op=mpidp.Adasum if kind == "Adasum" else mpidp.Average)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.zero_grad()
+    model(torch.ones(4, 5, dtype=torch.float64)).sum().backward()
+    opt.step()
+    sched.step()
+    ok = (isinstance(opt, type(inner)) and isinstance(opt, mpidp.DistributedOptimizer)
+          and type(opt).__name__ == type(inner).__name__ and inner.param_groups[0]["lr"] == 0.05
+          and opt.state is inner.state and "DistributedOptimizer(" in repr(opt))
+    assert_all(ok, f"{type(opt).__mro__} lr {inner.param_groups[0]['lr']}")
 
 
 class _EmbedNet(nn.Module):
