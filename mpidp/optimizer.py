@@ -184,6 +184,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         wires, ctxs = [], []
         for p in dense:
             wire, ctx = self._compression.compress(self._grad_of(p))
+            if not wire.is_contiguous():  # channels_last or transposed: reduce a packed copy
+                wire = wire.contiguous()  # (synchronize copies the result back into p.grad)
             wires.append(wire)
             ctxs.append(ctx)
         bucket.wires, bucket.ctxs = wires, ctxs
@@ -193,8 +195,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
                 postscale_factor=post, process_set=self._process_set)
             return
         req = bucket.request
-        if req is not None and all(w.dtype is bucket.dtype and w.is_contiguous()
-                                   for w in wires):
+        if req is not None and all(w.dtype is bucket.dtype for w in wires):
             bucket.handle = ops.bucket_allreduce_async_(req, wires, self._process_set,
                                                         bucket.cache_key)
             return

@@ -593,6 +593,44 @@ def test_wrapped_optimizer_is_an_instance_of_its_class(kind):
     assert_all(ok, f"{type(opt).__mro__} lr {inner.param_groups[0]['lr']}")
 
 
+class _Strided(nn.Module):
+    """A channels_last convolution and a transposed weight: gradients that are not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.conv = nn.Conv2d(3, 4, 3).double().to(memory_format=torch.channels_last)
+        self.fc = nn.Linear(16, 2).double()
+        self.fc.weight = nn.Parameter(torch.randn(16, 2, dtype=torch.float64).t())
+
+    def forward(self, x):
+        return self.fc(self.conv(x.contiguous(memory_format=torch.channels_last)).flatten(1))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_non_contiguous_gradients_are_reduced(compression):
+    """channels_last models (DDP trains them) used to fail the first step: the bucket op refused
+    gradients that are not contiguous."""
+    model, ref = _Strided(), _Strided()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     compression=getattr(mpidp.Compression, compression))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(SHARD * mpidp.size(), 3, 4, 4, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        model(_shard(x)).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < (1e-2 if compression == "fp16" else 1e-10), f"max deviation {err}")
+    _assert_replicas_bitwise(model, "non-contiguous gradients")
+
+
 class _EmbedNet(nn.Module):
     def __init__(self, bag: bool):
         super().__init__()
