@@ -1,8 +1,12 @@
 """DistributedOptimizer's parameters: their names, and the buckets their gradients go in."""
 
+import weakref
 from typing import Dict, List
 
 import torch
+
+# Live optimizers -> (process set id, the names their gradients are reduced under).
+_claimed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
@@ -24,6 +28,25 @@ def named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
                          f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
                          f"the named_parameters of the whole model the optimizer was built on")
     return {p: by_param[p] for p in params}
+
+
+def claim(owner, set_id: int, names: Dict[torch.nn.Parameter, str]) -> Dict[torch.nn.Parameter,
+                                                                             str]:
+    """`names` for `owner`'s gradients, or, when another live optimizer on the same process set
+    uses one of them, all prefixed `opt{k}.`: two optimizers' buckets may be in flight at once
+    (one backward for both, as in a GAN), and names must differ among ops in flight. Horovod's
+    automatic names, or two models both with a `0.weight`, collide so. Every member of the set
+    wraps its optimizers in the same order, so the prefixes agree."""
+    taken = set()
+    for other_set, other in _claimed.values():
+        if other_set == set_id:
+            taken.update(other)
+    out, k = names, 0
+    while taken.intersection(out.values()):
+        k += 1
+        out = {p: f"opt{k}.{n}" for p, n in names.items()}
+    _claimed[owner] = (set_id, set(out.values()))
+    return out
 
 
 class Bucket:

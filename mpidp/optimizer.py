@@ -8,7 +8,7 @@ import torch
 
 from . import op_args, ops, overlap, pass_guard, runtime, wrapped
 from .sparse import SparseGradients, sparse_allreduce_async
-from .buckets import Bucket, group_ids, make_buckets, named
+from .buckets import Bucket, claim, group_ids, make_buckets, named
 from .process_sets import is_outside, member_of
 from .compression import Compression
 from .ops import Average
@@ -51,8 +51,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         # A rank outside the set does what Horovod does there: no hooks, synchronize() does
         # nothing, step() applies the local gradients. Any other bad set is refused here.
         self._outside = is_outside(process_set)
-        size = None if self._outside else member_of(process_set, "DistributedOptimizer")[1].size
-        op = op_args.resolve_op(None, op, "DistributedOptimizer", size)
+        member = None if self._outside else member_of(process_set, "DistributedOptimizer")[1]
+        op = op_args.resolve_op(None, op, "DistributedOptimizer", member and member.size)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         if gradient_predivide_factor <= 0:
@@ -60,6 +60,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self.__dict__["_opt"] = optimizer
         self._process_set = process_set
         self._names = named(optimizer, named_parameters)
+        if member is not None:
+            self._names = claim(self, member.set_id, self._names)
         self._compression = compression
         self._op = op
         # Predivide: divide by the factor before the sum, multiply by it after (where the

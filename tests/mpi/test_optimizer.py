@@ -166,6 +166,38 @@ def test_ranks_touching_different_parameters_do_not_deadlock():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("named", [False, True])
+def test_two_optimizers_in_flight_at_once_have_distinct_names(named):
+    """One backward for two optimizers, overlap on: both submit buckets during it. Their names
+    collide (Horovod's automatic ones, or two models' `weight`/`bias`), and the second optimizer's
+    buckets used to be refused as already in flight."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(5, 7).double(), nn.Linear(7, 1).double()
+    (gen, disc), (rgen, rdisc) = build(), build()
+    opts = [mpidp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                       named_parameters=m.named_parameters() if named else None)
+            for m in (gen, disc)]
+    refs = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (rgen, rdisc)]
+    for opt in opts:
+        opt._overlap = True
+    x = torch.randn(SHARD * mpidp.size(), 5, dtype=torch.float64)
+    for _ in range(2):
+        for opt in opts + refs:
+            opt.zero_grad()
+        disc(gen(_shard(x))).pow(2).mean().backward()
+        rdisc(rgen(x)).pow(2).mean().backward()
+        for opt in opts:
+            run_all(opt.step)
+        for opt in refs:
+            opt.step()
+    names = [sorted(opt._parameter_names.values()) for opt in opts]
+    err = max(_close(gen, rgen), _close(disc, rdisc))
+    assert_all(err < 1e-10 and all(n.startswith("opt1.") for n in names[1]),
+               f"deviation {err}, names {names}")
+
+
+@pytest.mark.mpi
 def test_alternating_requires_grad_gan_style():
     torch.manual_seed(7)
     gen = nn.Linear(3, 3).double()
