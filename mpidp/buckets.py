@@ -53,7 +53,7 @@ class Bucket:
     """Parameters whose gradients are reduced as one op, the same on every rank."""
 
     __slots__ = ("name", "params", "ready", "handle", "wires", "ctxs", "request", "cache_key",
-                 "dtype", "dense", "sparse", "submitted")
+                 "dtype", "shapes", "dense", "sparse", "submitted")
 
     def __init__(self, name: str, params: List[torch.nn.Parameter]):
         self.name = name
@@ -64,7 +64,8 @@ class Bucket:
         self.dense: List[torch.nn.Parameter] = []  # submitted as the bucket op (wires, ctxs)
         self.sparse: List[tuple] = []  # (parameter, handle): sparse gradients, one op each
         self.wires, self.ctxs = (), ()
-        self.request = self.cache_key = self.dtype = None  # kept from the first submission
+        # Kept from the first submission, reused while the gradients still fit them.
+        self.request = self.cache_key = self.dtype = self.shapes = None
 
 
 def make_buckets(trained, names, groups, cap: int, apart=None) -> List["Bucket"]:

@@ -197,7 +197,9 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
                 postscale_factor=post, process_set=self._process_set)
             return
         req = bucket.request
-        if req is not None and all(w.dtype is bucket.dtype for w in wires):
+        # A parameter resized in place (pruning: p.data = p.data[keep]) needs a new request.
+        if req is not None and all(w.dtype is bucket.dtype and w.shape == shape
+                                   for w, shape in zip(wires, bucket.shapes)):
             bucket.handle = ops.bucket_allreduce_async_(req, wires, self._process_set,
                                                         bucket.cache_key)
             return
@@ -207,7 +209,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         members = runtime.state().handles.members(bucket.handle)
         if len(members) == 1:  # one dtype: remember the checked request for the next steps
             bucket.request, bucket.cache_key = members[0].request, members[0].cache_key
-            bucket.dtype = wires[0].dtype
+            bucket.dtype, bucket.shapes = wires[0].dtype, [w.shape for w in wires]
 
     # ---- user-facing steps ----
 

@@ -663,6 +663,31 @@ def test_non_contiguous_gradients_are_reduced(compression):
     _assert_replicas_bitwise(model, "non-contiguous gradients")
 
 
+@pytest.mark.mpi
+def test_parameters_resized_in_place_between_steps():
+    """Structured pruning (p.data = p.data[keep]) changes gradient shapes: the bucket's kept
+    request no longer fits and is negotiated again (the data path used to fail and abort)."""
+    model, ref = _model(), _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, ((x, y),) in enumerate(_data(steps=4, micro=1)):
+        if step == 2:
+            keep = torch.arange(0, 7, 2)
+            for m in (model, ref):
+                m[0].weight.data, m[0].bias.data = m[0].weight.data[keep], m[0].bias.data[keep]
+                m[2].weight.data = m[2].weight.data[:, keep].contiguous()
+        opt.zero_grad()
+        F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    err = _close(model, ref)
+    assert_all(err < 1e-10 and model[0].weight.shape == (4, 5), f"max deviation {err}")
+    _assert_replicas_bitwise(model, "resized parameters")
+
+
 class _EmbedNet(nn.Module):
     def __init__(self, bag: bool):
         super().__init__()
