@@ -1,5 +1,6 @@
 """DistributedOptimizer's parameters: their names, and the buckets their gradients go in."""
 
+import gc
 import weakref
 from typing import Dict, List
 
@@ -36,17 +37,29 @@ def claim(owner, set_id: int, names: Dict[torch.nn.Parameter, str]) -> Dict[torc
     uses one of them, all prefixed `opt{k}.`: two optimizers' buckets may be in flight at once
     (one backward for both, as in a GAN), and names must differ among ops in flight. Horovod's
     automatic names, or two models both with a `0.weight`, collide so. Every member of the set
-    wraps its optimizers in the same order, so the prefixes agree."""
-    taken = set()
-    for other_set, other in _claimed.values():
-        if other_set == set_id:
-            taken.update(other)
+    wraps its optimizers in the same order, so the prefixes agree. Liveness must agree too: an
+    optimizer dropped in a reference cycle lives until the cycle collector runs, at a moment of
+    its own on each rank, so a collision is confirmed after collecting (this only costs when an
+    optimizer with the same names is still around)."""
+    taken = _taken(set_id)
+    if taken.intersection(names.values()):
+        gc.collect()
+        taken = _taken(set_id)
     out, k = names, 0
     while taken.intersection(out.values()):
         k += 1
         out = {p: f"opt{k}.{n}" for p, n in names.items()}
     _claimed[owner] = (set_id, set(out.values()))
     return out
+
+
+def _taken(set_id: int) -> set:
+    """Every name a live optimizer on process set `set_id` reduces under."""
+    taken = set()
+    for other_set, other in list(_claimed.values()):
+        if other_set == set_id:
+            taken.update(other)
+    return taken
 
 
 class Bucket:

@@ -68,7 +68,9 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         # engine also divides by size for Average).
         self._pre = 1.0 / gradient_predivide_factor
         self._post_factor = gradient_predivide_factor
-        self._is_sparse = SparseGradients(sparse_as_dense)
+        # Only this class's own submission reduces sparse gradients as sparse ops.
+        self._is_sparse = SparseGradients(sparse_as_dense or self._outside or
+                                          type(self)._submit is not DistributedOptimizer._submit)
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
         # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
@@ -217,6 +219,9 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
         parameters without a gradient). Synchronization: blocks until every rank has
         submitted the same buckets."""
+        if self._is_sparse.pending:
+            self._is_sparse.agree([p for b in self._buckets for p in b.params],
+                                  self._process_set)
         with ops.blocking():  # waited for right below: run here, not handed to the engine
             self._submit_rest()
         try:

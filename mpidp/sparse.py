@@ -7,7 +7,7 @@ import torch
 from . import op_args, ops
 from .engine import scaling
 from .engine.messages import OpType
-from .ops import Average, Sum
+from .ops import Average, Max, Sum
 from .process_sets import member_of
 
 
@@ -39,25 +39,46 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None) -> i
 
 
 class SparseGradients:
-    """Which parameters' gradients go as sparse ops (none with sparse_as_dense). Once seen
-    sparse, a parameter stays so: a rank whose loss did not touch it then sends an empty sparse
-    gradient, as its peers do."""
+    """Which parameters' gradients go as sparse ops (none with sparse_as_dense).
+
+    A rank whose loss did not touch an embedding has no gradient for it, and cannot tell from
+    that whether its peers will send theirs sparse: deciding alone, it would submit zeros in the
+    dense bucket while they submit a sparse op, and both would wait for good. So each
+    parameter's kind is agreed once, at the first synchronize (`agree`): sparse if any rank's
+    gradient is sparse. From then on a rank without a gradient for a sparse parameter sends an
+    empty sparse one, and a sparse gradient of a parameter agreed dense is densified.
+    """
 
     def __init__(self, as_dense: bool):
         self.as_dense = as_dense
-        self._dims: Dict[torch.nn.Parameter, int] = {}  # seen sparse: its sparse_dim
+        self.pending = not as_dense  # kinds not agreed yet
+        self._dims: Dict[torch.nn.Parameter, int] = {}  # agreed sparse: its sparse_dim
+
+    def agree(self, params, process_set) -> None:
+        """Fix every parameter's kind. Synchronization: one small blocking allreduce (Max) over
+        the set; every member calls it at its first synchronize(), with `params` alike."""
+        if params:
+            local = torch.tensor([p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse
+                                  else 0 for p in params], dtype=torch.int32)
+            with ops.blocking():  # waited for right below
+                handle = ops.allreduce_async(local, name="mpidp.sparse_kinds", op=Max,
+                                             process_set=process_set)
+            agreed = ops.synchronize(handle).tolist()
+            self._dims = {p: int(d) for p, d in zip(params, agreed) if d}
+        self.pending = False
 
     def __call__(self, p) -> bool:
-        if self.as_dense:
-            return False
-        if p.grad is not None and p.grad.is_sparse:
-            self._dims[p] = p.grad.sparse_dim()
-            return True
+        if self.pending:
+            # Before the agreement only buckets whose every gradient is here go (from the
+            # backward hooks): a gradient's own layout is then the same on every rank.
+            return p.grad is not None and p.grad.is_sparse
         dims = self._dims.get(p)
-        if dims is not None and p.grad is None:
+        if dims is None:  # dense (a sparse gradient is densified on the dense path)
+            return False
+        if p.grad is None:
             # Same layout as the peers' (an embedding's gradient is sparse in dim 0 only).
             p.grad = torch.sparse_coo_tensor(
                 torch.zeros((dims, 0), dtype=torch.long, device=p.device),
                 torch.zeros((0,) + tuple(p.shape[dims:]), dtype=p.dtype, device=p.device),
                 p.shape, check_invariants=True)
-        return dims is not None
+        return True

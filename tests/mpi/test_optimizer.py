@@ -703,23 +703,28 @@ class _EmbedNet(nn.Module):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("bag", [False, True], ids=["embedding", "embeddingbag"])
-def test_sparse_gradients_are_reduced_sparse(bag):
+@pytest.mark.parametrize("skipped", [2, 0], ids=["last_step_skipped", "first_step_skipped"])
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_step", "overlapped"])
+def test_sparse_gradients_are_reduced_sparse(bag, skipped, overlapping):
     """Sparse gradients (Embedding/EmbeddingBag with sparse=True) go as sparse ops, gathered
     indices and values averaged, as in Horovod; the step equals one process on the whole batch.
-    In the last step one rank's loss does not touch the embedding: it sends an empty sparse
-    gradient, so no rank waits and nothing mismatches."""
+    In one step one rank's loss does not touch the embedding: it sends an empty sparse
+    gradient, so no rank waits and nothing mismatches. In the first step it cannot know the
+    gradient is sparse elsewhere: the kinds agreed at the first synchronize tell it (that
+    case hung)."""
     torch.manual_seed(3)
     model = _EmbedNet(bag).double()
     ref = copy.deepcopy(model)
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
+    opt._overlap = overlapping
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     n, r = mpidp.size(), mpidp.rank()
     g = torch.Generator().manual_seed(5)
     seen_sparse = []
     for step in range(3):
         ids = torch.randint(0, 12, (n * 2, 4), generator=g)
-        skip = step == 2 and r == n - 1
+        skip = step == skipped and r == n - 1
         opt.zero_grad()
         mine = ids[2 * r:2 * r + 2]
         loss = model.fc.bias.sum() * 0.0 if skip else model(mine).pow(2).sum()
@@ -728,7 +733,7 @@ def test_sparse_gradients_are_reduced_sparse(bag):
         seen_sparse.append(model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse)
         ref_opt.zero_grad()
         parts = [ref(ids[2 * k:2 * k + 2]).pow(2).sum() for k in range(n)
-                 if not (step == 2 and k == n - 1)]
+                 if not (step == skipped and k == n - 1)]
         (sum(parts) / n + ref.fc.bias.sum() * 0.0).backward()
         ref_opt.step()
     err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
