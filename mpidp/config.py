@@ -1,9 +1,8 @@
 """Every knob of mpidp, defined once (variables, parser, default, why); the launcher variables."""
 
 import dataclasses
-import difflib
 import os
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from .errors import ConfigError
 
@@ -270,27 +269,3 @@ def launcher_rank(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     if env.get("SLURM_STEP_ID") and env.get("SLURM_PROCID", "").isdigit():
         return int(env["SLURM_PROCID"])
     return None
-
-
-def unknown_variables(env: Optional[Mapping[str, str]] = None) -> List[Tuple[str, str]]:
-    """(variable, what to say) for every MPIDP_* or HOROVOD_* variable that is not a knob:
-    a misspelling is otherwise ignored without a word. Names the closest knob's variable."""
-    env = os.environ if env is None else env
-    known = {v for k in KNOBS for v in (k.env, k.horovod) if v} | {STALL_CHECK_DISABLE}
-    out = []
-    for var in sorted(env):
-        if not var.startswith(("MPIDP_", "HOROVOD_")) or var in known \
-                or var in SCRIPT_VARIABLES:
-            continue
-        # Compared without the prefix, which would make every HOROVOD_* name look alike.
-        prefix, rest = var.split("_", 1)
-        score, _, close = max((difflib.SequenceMatcher(None, rest, k.split("_", 1)[1]).ratio(),
-                               k.startswith(prefix), k) for k in sorted(known))
-        if score >= 0.75:
-            what = f"not an mpidp knob, and ignored; did you mean {close}?"
-        elif var.startswith("HOROVOD_"):
-            what = "a Horovod setting mpidp does not have; ignored"
-        else:
-            what = "not an mpidp knob, and ignored (`python -m mpidp doctor` lists the knobs)"
-        out.append((var, what))
-    return out

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import List, Optional
 
-from . import config as _config
+from . import config as _config, unknown_vars
 from .errors import ConfigError, MpidpError
 
 _OK, _INFO, _WARN, _FAIL = "ok", "info", "warn", "FAIL"
@@ -61,7 +61,7 @@ def _check_knobs(report: Report) -> Optional[_config.Config]:
     except ConfigError as exc:
         report.add(_FAIL, "knobs", f"{exc}")
         return None
-    for var, what in _config.unknown_variables():
+    for var, what in unknown_vars.unknown_variables():
         report.add(_WARN, "unknown variable", f"{var}={os.environ[var]!r} is {what}")
     set_knobs = [k for k in _config.KNOBS if k.field in cfg.explicit]
     if not set_knobs:

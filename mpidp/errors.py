@@ -33,6 +33,15 @@ class OpTimeoutError(CollectiveError, TimeoutError):
 HorovodInternalError = CollectiveError
 
 
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's elastic driver raises it when hosts join or leave; an MPI job's world is fixed,
+    so mpidp never does (scripts that catch it import it from mpidp.common.exceptions)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
 class CheckpointError(MpidpError):
     """Saving or loading a checkpoint failed; raised on every rank with rank 0's reason."""
 

@@ -5,7 +5,7 @@ import os
 import threading
 from typing import Optional
 
-from . import config as _config, malloc_reuse, set_registry, uncaught
+from . import config as _config, malloc_reuse, set_registry, uncaught, unknown_vars
 from .member import Member
 from .engine import interrupts
 from .engine.handles import HandleTable
@@ -158,9 +158,9 @@ def init(comm=None, process_sets=None, **overrides) -> None:
             malloc_reuse.keep_freed_memory()
         uncaught.install_abort_hook(cfg.abort_on_error)
         interrupts.install()
-        _warn_lonely_world(comms.size)
+        _warn_lonely_world(MPI.COMM_WORLD.Get_size())  # not comm=: a sub-world may be alone
         if comms.rank == 0:  # once per job: the ranks of a job share their environment
-            for var, what in _config.unknown_variables():
+            for var, what in unknown_vars.unknown_variables():
                 logger.warning("%s=%r is %s", var, os.environ[var], what)
         homogeneous = len(set(comms.local_sizes)) == 1
         engine = Engine(comms, cfg)

@@ -1,5 +1,6 @@
 """init/shutdown/init, topology queries against mpi4py's COMM_WORLD, knobs, shutdown mid-op."""
 
+import logging
 import random
 import time
 
@@ -165,6 +166,35 @@ def test_init_with_user_communicator():
     finally:
         _reinit()
     assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_sub_world_of_one_rank_is_not_called_lonely(monkeypatch):
+    """init(comm=...) on a communicator of one rank is deliberate: the warning that a world of
+    size 1 runs under a launcher that announced more ranks is about COMM_WORLD only."""
+    monkeypatch.setenv("PMI_SIZE", str(MPI.COMM_WORLD.Get_size()))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("mpidp").addHandler(handler)
+
+    def body():
+        comm = MPI.COMM_WORLD.Split(color=MPI.COMM_WORLD.Get_rank(), key=0)
+        try:
+            mpidp.shutdown()
+            mpidp.init(comm=comm)
+            alone = mpidp.size() == 1
+            mpidp.shutdown()
+        finally:
+            comm.Free()
+        return alone
+    try:
+        alone = run_all(body)
+    finally:
+        logging.getLogger("mpidp").removeHandler(handler)
+        _reinit()
+    lonely = [r.getMessage() for r in records if "world of size 1" in r.getMessage()]
+    assert_all(alone and not lonely, lonely)
 
 
 def _workload(name, rounds=3, names=12):

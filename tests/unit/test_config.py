@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mpidp import config, knob_docs
+from mpidp import config, knob_docs, unknown_vars
 from mpidp.errors import ConfigError, MpidpError
 
 MiB = 1024 * 1024
@@ -243,14 +243,23 @@ def test_unknown_variables_name_the_closest_knob():
     env = {"MPIDP_CYCLE_TIME_MS": "1", "MPIDP_CYCLETIME_MS": "1", "HOROVOD_FUSION_THRESHOLD": "1",
            "HOROVOD_FUSION_THRESHHOLD": "2", "HOROVOD_GPU_OPERATIONS": "NCCL",
            "MPIDP_ZZZ": "1", "MPIDP_VENV": "/v", "PATH": "/bin"}
-    got = dict(config.unknown_variables(env))
+    got = dict(unknown_vars.unknown_variables(env))
     assert set(got) == {"MPIDP_CYCLETIME_MS", "HOROVOD_FUSION_THRESHHOLD",
                         "HOROVOD_GPU_OPERATIONS", "MPIDP_ZZZ"}, got
     assert got["MPIDP_CYCLETIME_MS"].endswith("did you mean MPIDP_CYCLE_TIME_MS?")
     assert got["HOROVOD_FUSION_THRESHHOLD"].endswith("did you mean HOROVOD_FUSION_THRESHOLD?")
     assert got["HOROVOD_GPU_OPERATIONS"] == "a Horovod setting mpidp does not have; ignored"
     assert "doctor" in got["MPIDP_ZZZ"]
-    assert config.unknown_variables({}) == []
+    assert unknown_vars.unknown_variables({}) == []
+
+
+def test_real_horovod_settings_are_not_taken_for_misspelled_knobs():
+    """HOROVOD_HIERARCHICAL_ALLGATHER is Horovod's own, not a misspelled ..._ALLREDUCE; dynamic
+    process sets, which Horovod must be told about, are always on here."""
+    env = {"HOROVOD_HIERARCHICAL_ALLGATHER": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+    got = dict(unknown_vars.unknown_variables(env))
+    assert got == {"HOROVOD_HIERARCHICAL_ALLGATHER":
+                   "a Horovod setting mpidp does not have; ignored"}, got
 
 
 @pytest.mark.parametrize("env, warning, shutdown", [
@@ -262,7 +271,7 @@ def test_horovods_stall_check_disable_turns_both_stall_knobs_off(env, warning, s
     """horovodrun --no-stall-check sets it; a stall knob set by itself still counts."""
     cfg = config.load(env)
     assert (cfg.stall_warning_s, cfg.stall_shutdown_s) == (warning, shutdown)
-    assert config.unknown_variables(env) == []
+    assert unknown_vars.unknown_variables(env) == []
 
 
 def test_a_bad_stall_check_disable_value_names_the_variable():

@@ -1,0 +1,5 @@
+"""Horovod's `horovod.torch.elastic.sampler` (code in mpidp/elastic_sampler.py)."""
+
+from mpidp.elastic import ElasticSampler
+
+__all__ = ["ElasticSampler"]
