@@ -1,6 +1,7 @@
 """ShardedGradScaler: torch's GradScaler, agreeing across ranks on whether to skip a step."""
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from . import collectives
 from .ops import Max
@@ -14,10 +15,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
     allgather. unscale_() here first waits for the reduced gradients (optimizer.synchronize())
     and then takes the maximum of the inf/NaN flags over the optimizer's process set, so every
     rank skips or steps alike and update() changes the scale alike. Use it as GradScaler:
-    scaler.scale(loss).backward(); scaler.step(opt); scaler.update(). Works with any optimizer
-    (for a DistributedOptimizer the flags already agree: it costs one scalar allreduce).
-    Synchronization: unscale_() (called by step() if the script did not) waits for the
-    reduction and runs one scalar allreduce.
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update(). With a DistributedOptimizer
+    the same holds: torch's GradScaler there decides on each rank's own unreduced gradients, so
+    a rank that alone overflowed skipped step() and left its peers waiting in the reduction
+    (Horovod's remedy is synchronize(), unscale_(), then step() in skip_synchronize(); this
+    scaler does that itself). Synchronization: unscale_() (called by step() if the script did
+    not) waits for the reduction and runs one scalar allreduce.
     """
 
     def unscale_(self, optimizer) -> None:
@@ -25,7 +28,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         over its process set. Synchronization: the reduction, then one scalar allreduce."""
         if not self._enabled:
             return
-        if getattr(optimizer, "is_sharded", False):
+        if getattr(optimizer, "is_sharded", False) or _unsynchronized(optimizer):
             optimizer.synchronize()
         super().unscale_(optimizer)
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -43,13 +46,36 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def step(self, optimizer, *args, **kwargs):
         """GradScaler.step; a step skipped for an inf or NaN is announced to joined ranks.
         Synchronization: unscale_()'s (if not called yet), then the optimizer's step()."""
-        result = super().step(optimizer, *args, **kwargs)
+        if not _reduces_gradients(optimizer):
+            result = super().step(optimizer, *args, **kwargs)
+        else:
+            # Unscaled here even for a fused optimizer, which GradScaler.step would hand the
+            # scale and a flag from this rank's own unreduced gradients.
+            if self._enabled and \
+                    self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            with optimizer.skip_synchronize():  # unscale_() reduced the gradients already
+                result = super().step(optimizer, *args, **kwargs)
+            optimizer._synchronized = False  # also after a skipped step: the next one reduces
         rounds = getattr(optimizer, "_join", None)
         if rounds is not None and self._enabled:
             found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             if sum(v.item() for v in found.values()):
                 rounds.announce("skip")
         return result
+
+
+def _reduces_gradients(optimizer) -> bool:
+    """A DistributedOptimizer that reduces whole gradients (not a ShardedOptimizer, nor
+    Adasum's, which reduces updates)."""
+    return (getattr(optimizer, "_synchronized", None) is not None
+            and not getattr(optimizer, "is_sharded", False)
+            and not getattr(optimizer, "_deltas", False))
+
+
+def _unsynchronized(optimizer) -> bool:
+    """Such an optimizer whose gradients are not reduced yet this step."""
+    return _reduces_gradients(optimizer) and not optimizer._synchronized
 
 
 def _agree(local: torch.Tensor, process_set) -> torch.Tensor:

@@ -104,13 +104,18 @@ def test_clipping_after_synchronize_clips_the_global_gradient(device):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("fused", [False, True])
-def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused):
-    """A fused optimizer takes GradScaler's scale and inf flag as attributes set on the
-    optimizer it is given (the wrapper): they must reach the wrapped one."""
+@pytest.mark.parametrize("recipe", ["horovod", "plain"])
+def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused, recipe):
+    """Horovod's recipe with torch's GradScaler (synchronize, unscale_, step without
+    synchronizing), or the plain loop with mpidp's scaler, which does that itself (with torch's,
+    the rank that alone overflowed skipped step() and the others waited for it for good). A
+    fused optimizer takes the scale and inf flag as attributes set on the optimizer it is given
+    (the wrapper): they must reach the wrapped one."""
     model = _model().float()
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=fused),
                                      named_parameters=model.named_parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = (torch.amp.GradScaler if recipe == "horovod" else mpidp.ShardedGradScaler)(
+        "cpu", init_scale=2.0 ** 10)
     before_skip = None
     for i, ((x, y),) in enumerate(_data(steps=4, micro=1)):
         opt.zero_grad()
@@ -118,12 +123,17 @@ def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused):
         if i == 2 and mpidp.rank() == 0:
             loss = loss * float("inf")  # one rank overflows: every rank must skip this step
         scaler.scale(loss).backward()
-        opt.synchronize()
-        scaler.unscale_(opt)
         if i == 2:
             before_skip = [p.detach().clone() for p in model.parameters()]
-        with opt.skip_synchronize():
-            scaler.step(opt)
+        if recipe == "horovod":
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "reduced a second time"
+                scaler.step(opt)
         scaler.update()
         if i == 2:
             unchanged = all(torch.equal(a, b) for a, b in zip(before_skip, model.parameters()))
