@@ -747,7 +747,11 @@ def test_sparse_gradients_are_reduced_sparse(bag, skipped, overlapping):
         (sum(parts) / n + ref.fc.bias.sum() * 0.0).backward()
         ref_opt.step()
     err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    assert_all(err < 1e-10 and all(seen_sparse), f"deviation {err}, sparse grads {seen_sparse}")
+    # On one rank that skips the first step no rank had a sparse gradient when the kinds were
+    # agreed: the embedding is reduced dense (its sparse gradients densified), still exact.
+    sparse = not (skipped == 0 and n == 1)
+    assert_all(err < 1e-10 and all(s == sparse for s in seen_sparse),
+               f"deviation {err}, sparse grads {seen_sparse}")
     _assert_replicas_bitwise(model, "sparse")
 
 
