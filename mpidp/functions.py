@@ -28,7 +28,8 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a "
                             f"tensor")
-        handles.append(ops.broadcast_async_(tensor.data, root_rank,
+        data = torch.view_as_real(tensor.data) if tensor.is_complex() else tensor.data
+        handles.append(ops.broadcast_async_(data, root_rank,
                                             name=f"broadcast_parameters.{name}",
                                             process_set=process_set))
     for handle in handles:

@@ -161,7 +161,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
             p.grad = p.grad.to_dense()  # sparse_as_dense
-        return p.grad
+        # A complex gradient is reduced as its real and imaginary parts (a view, as DDP does).
+        return torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
 
     def _submit(self, bucket: Bucket) -> None:
         """One op for the bucket's dense gradients and one per sparse gradient. The first
@@ -231,7 +232,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
                     ops.synchronize(handle)
                 for p, wire, ctx in zip(bucket.dense, bucket.wires, bucket.ctxs):
                     if ctx is not None or wire is not p.grad:
-                        p.grad.copy_(self._compression.decompress(wire, ctx))
+                        out = self._compression.decompress(wire, ctx)
+                        p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
                 for p, sparse_handle in bucket.sparse:
                     p.grad = ops.synchronize(sparse_handle)
         finally:

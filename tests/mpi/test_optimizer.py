@@ -698,6 +698,48 @@ def test_parameters_resized_in_place_between_steps():
     _assert_replicas_bitwise(model, "resized parameters")
 
 
+class _Complex(nn.Module):
+    """A complex weight (and buffer), as in spectral layers: DDP trains them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.w = nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
+        self.fc = nn.Linear(3, 1).double()
+        self.register_buffer("phase", torch.randn(3, dtype=torch.complex128))
+
+    def forward(self, x):
+        return self.fc((x.to(torch.complex128) @ self.w * self.phase).abs())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_complex_parameters_are_reduced(compression):
+    """Complex gradients are reduced as their real and imaginary parts; broadcast_parameters
+    copies complex tensors too (the first step, and the broadcast, used to be refused)."""
+    model, ref = _Complex(), _Complex()
+    if mpidp.rank() != 0:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.mul_(3)
+    run_all(mpidp.broadcast_parameters, model.state_dict(), 0)
+    opt = mpidp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters(),
+                                     compression=getattr(mpidp.Compression, compression))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(SHARD * mpidp.size(), 4, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        model(_shard(x)).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    err = max(_close(model, ref), (model.phase - ref.phase).abs().max().item())
+    assert_all(err < (1e-2 if compression == "fp16" else 1e-10), f"max deviation {err}")
+
+
 class _EmbedNet(nn.Module):
     def __init__(self, bag: bool):
         super().__init__()
