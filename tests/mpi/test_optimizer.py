@@ -635,6 +635,25 @@ def test_wrapped_optimizer_is_an_instance_of_its_class(kind):
     assert_all(ok, f"{type(opt).__mro__} lr {inner.param_groups[0]['lr']}")
 
 
+def _against_one_process(model, ref, make_opt, compression, shape, seed):
+    """Train `model` on N ranks' shards and `ref` in one process on the whole batches, 3 steps
+    of `make_opt` (a torch optimizer class with its lr); returns the largest deviation."""
+    opt = mpidp.DistributedOptimizer(make_opt(model.parameters()),
+                                     named_parameters=model.named_parameters(),
+                                     compression=getattr(mpidp.Compression, compression))
+    ref_opt = make_opt(ref.parameters())
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        x = torch.randn(SHARD * mpidp.size(), *shape, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        model(_shard(x)).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    return _close(model, ref)
+
+
 class _Strided(nn.Module):
     """A channels_last convolution and a transposed weight: gradients that are not contiguous."""
 
@@ -655,20 +674,8 @@ def test_non_contiguous_gradients_are_reduced(compression):
     """channels_last models (DDP trains them) used to fail the first step: the bucket op refused
     gradients that are not contiguous."""
     model, ref = _Strided(), _Strided()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters(),
-                                     compression=getattr(mpidp.Compression, compression))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x = torch.randn(SHARD * mpidp.size(), 3, 4, 4, generator=g, dtype=torch.float64)
-        opt.zero_grad()
-        model(_shard(x)).pow(2).mean().backward()
-        opt.step()
-        ref_opt.zero_grad()
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-    err = _close(model, ref)
+    err = _against_one_process(model, ref, lambda ps: torch.optim.SGD(ps, lr=0.1), compression,
+                               (3, 4, 4), seed=2)
     assert_all(err < (1e-2 if compression == "fp16" else 1e-10), f"max deviation {err}")
     _assert_replicas_bitwise(model, "non-contiguous gradients")
 
@@ -723,20 +730,9 @@ def test_complex_parameters_are_reduced(compression):
             for t in list(model.parameters()) + list(model.buffers()):
                 t.mul_(3)
     run_all(mpidp.broadcast_parameters, model.state_dict(), 0)
-    opt = mpidp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                     named_parameters=model.named_parameters(),
-                                     compression=getattr(mpidp.Compression, compression))
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    g = torch.Generator().manual_seed(4)
-    for _ in range(3):
-        x = torch.randn(SHARD * mpidp.size(), 4, generator=g, dtype=torch.float64)
-        opt.zero_grad()
-        model(_shard(x)).pow(2).mean().backward()
-        opt.step()
-        ref_opt.zero_grad()
-        ref(x).pow(2).mean().backward()
-        ref_opt.step()
-    err = max(_close(model, ref), (model.phase - ref.phase).abs().max().item())
+    err = _against_one_process(model, ref, lambda ps: torch.optim.Adam(ps, lr=0.01),
+                               compression, (4,), seed=4)
+    err = max(err, (model.phase - ref.phase).abs().max().item())
     assert_all(err < (1e-2 if compression == "fp16" else 1e-10), f"max deviation {err}")
 
 
