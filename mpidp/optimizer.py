@@ -289,5 +289,6 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         if self._in_flight():
             raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
                              "before optimizer.step() or optimizer.synchronize(); gradients "
-                             "are being reduced. Call step() (or synchronize()) first")
+                             "are being reduced. Call step() (or synchronize()) first. "
+                             + pass_guard.OTHER_BACKWARD)
         return self._opt.zero_grad(set_to_none=set_to_none)

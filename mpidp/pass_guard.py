@@ -6,6 +6,11 @@ from typing import Callable, List
 
 import torch
 
+# Both refusals' remedy when the pass came from another optimizer's loss (a GAN).
+OTHER_BACKWARD = ("If the pass was another optimizer's (a GAN generator's loss reaching the "
+                  "discriminator), run that backward inside `with optimizer.no_sync():` of this "
+                  "optimizer, or with requires_grad=False on these parameters")
+
 
 def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
     """The error for parameter `name` getting a gradient after its `passes` of this step."""
@@ -16,7 +21,7 @@ def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
         f"after its gradient {where} (after {passes} backward pass(es) and before "
         f"optimizer.step()). Call optimizer.step() or optimizer.synchronize() before the next "
         f"backward pass, or accumulate passes with DistributedOptimizer("
-        f"backward_passes_per_step=N)")
+        f"backward_passes_per_step=N). {OTHER_BACKWARD}")
 
 
 def weak(method: Callable) -> Callable:

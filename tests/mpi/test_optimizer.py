@@ -208,6 +208,55 @@ def test_two_optimizers_in_flight_at_once_have_distinct_names(named):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True])
+def test_standard_gan_loop_with_no_sync_for_the_generator_step(overlapping):
+    """The usual GAN loop: the generator's loss reaches the discriminator's parameters too;
+    with that backward inside the discriminator optimizer's no_sync(), training equals one
+    process."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
+    (gen, disc), (rgen, rdisc) = build(), build()
+    opt_g, opt_d = (mpidp.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                               named_parameters=[(f"{tag}.{n}", p) for n, p in
+                                                                 m.named_parameters()])
+                    for tag, m in (("g", gen), ("d", disc)))
+    ref_g, ref_d = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (rgen, rdisc))
+    for opt in (opt_g, opt_d):
+        opt._overlap = overlapping
+    g = torch.Generator().manual_seed(11)
+    for step in range(3):
+        z = torch.randn(SHARD * mpidp.size(), 3, generator=g, dtype=torch.float64)
+        for d_opt, gn, dn, zz in ((opt_d, gen, disc, _shard(z)), (ref_d, rgen, rdisc, z)):
+            d_opt.zero_grad()
+            dn(gn(zz).detach()).pow(2).mean().backward()
+            run_all(d_opt.step) if d_opt is opt_d else d_opt.step()
+        opt_g.zero_grad()
+        with opt_d.no_sync():
+            (-disc(gen(_shard(z))).mean()).backward()
+        run_all(opt_g.step)
+        ref_g.zero_grad()
+        (-rdisc(rgen(z)).mean()).backward()
+        ref_g.step()
+    err = max(_close(gen, rgen), _close(disc, rdisc))
+    assert_all(err < 1e-10, f"max deviation {err}")
+    _assert_replicas_bitwise(disc, "discriminator")
+
+
+@pytest.mark.mpi
+def test_a_gan_loop_without_no_sync_is_refused_naming_the_remedy():
+    """Without no_sync() the generator's backward counts as the discriminator's next pass: its
+    zero_grad() is refused, as Horovod refuses it, and the message says what to do."""
+    gen, disc = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
+    opt_d = mpidp.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1),
+                                       named_parameters=disc.named_parameters())
+    (-disc(gen(torch.ones(2, 3, dtype=torch.float64))).mean()).backward()
+    raises_all(ValueError, opt_d.zero_grad, match="no_sync")
+    run_all(opt_d.synchronize)
+    opt_d.zero_grad()
+
+
+@pytest.mark.mpi
 def test_alternating_requires_grad_gan_style():
     torch.manual_seed(7)
     gen = nn.Linear(3, 3).double()
