@@ -6,6 +6,8 @@ from typing import Dict, List
 
 import torch
 
+from . import ops, runtime
+
 # Live optimizers -> (process set id, the names their gradients are reduced under).
 _claimed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -79,6 +81,24 @@ class Bucket:
         self.wires, self.ctxs = (), ()
         # Kept from the first submission, reused while the gradients still fit them.
         self.request = self.cache_key = self.dtype = self.shapes = None
+
+    def start(self, wires, op, pre: float, post: float, process_set, keep: bool) -> None:
+        """Hand the dense gradients `wires` to the engine as one op (`handle`). The first time
+        it goes through the checked path, and with `keep` its request is kept and reused while
+        the gradients still fit it (a parameter resized in place, as pruning does, needs a new
+        one); a bucket of several dtypes always goes the checked way."""
+        req = self.request
+        if keep and req is not None and all(w.dtype is self.dtype and w.shape == shape
+                                            for w, shape in zip(wires, self.shapes)):
+            self.handle = ops.bucket_allreduce_async_(req, wires, process_set, self.cache_key)
+            return
+        self.handle = ops.grouped_allreduce_async_(
+            wires, name=self.name, op=op, prescale_factor=pre, postscale_factor=post,
+            process_set=process_set)
+        members = runtime.state().handles.members(self.handle)
+        if keep and len(members) == 1:
+            self.request, self.cache_key = members[0].request, members[0].cache_key
+            self.dtype, self.shapes = wires[0].dtype, [w.shape for w in wires]
 
 
 def make_buckets(trained, names, groups, cap: int, apart=None) -> List["Bucket"]:

@@ -1,6 +1,5 @@
 """DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets when ready."""
 
-import contextlib
 import warnings
 from typing import Dict
 
@@ -59,34 +58,50 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             raise ValueError("gradient_predivide_factor must be > 0")
         self.__dict__["_opt"] = optimizer
         self._process_set = process_set
-        self._names = named(optimizer, named_parameters)
-        if member is not None:
-            self._names = claim(self, member.set_id, self._names)
+        self._set_id = None if member is None else member.set_id
+        # Kept whole: parameters added or unfrozen later are named from it too.
+        self._named_list = None if named_parameters is None else list(named_parameters)
+        self._grouping = (num_groups, groups)
         self._compression = compression
         self._op = op
         # Predivide: divide by the factor before the sum, multiply by it after (where the
         # engine also divides by size for Average).
         self._pre = 1.0 / gradient_predivide_factor
         self._post_factor = gradient_predivide_factor
-        # Only this class's own submission reduces sparse gradients as sparse ops.
-        self._is_sparse = SparseGradients(sparse_as_dense or self._outside or
-                                          type(self)._submit is not DistributedOptimizer._submit)
+        self._sparse_as_dense = sparse_as_dense
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
-        # Frozen parameters (requires_grad=False) get no hook and no bucket, as in Horovod.
-        trained = [p for p in self._names if p.requires_grad and not self._outside]
-        self._frozen = [p for p in self._names if not p.requires_grad and not self._outside]
-        self._buckets = make_buckets(trained, self._names,
-                                      group_ids(self._names, num_groups, groups),
-                                      runtime.state().config.bucket_bytes)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._passes: Dict[torch.nn.Parameter, int] = {}
         self._synchronized, self._should_sync = False, True
         self._counting, self._warned_double_sync = True, False
+        self._hooks = []
+        self._guards = pass_guard.Guards([], self._before_accumulation)
+        self._layout()
+        self._overlap = overlap.decide(runtime.state(), self._trained)
+
+    def _layout(self) -> None:
+        """Names, buckets and hooks for the optimizer's parameters that require a gradient now
+        (frozen ones get no hook and no bucket, as in Horovod). Run at wrapping, and again
+        between steps when the parameters or their requires_grad change (kept requests go)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._names = named(self._opt, self._named_list)
+        if self._set_id is not None:
+            self._names = claim(self, self._set_id, self._names)
+        # Only this class's own submission reduces sparse gradients as sparse ops; kinds are
+        # agreed anew at the next synchronize.
+        self._is_sparse = SparseGradients(self._sparse_as_dense or self._outside or
+                                          type(self)._submit is not DistributedOptimizer._submit)
+        trained = self._trained = [p for p in self._names
+                                   if p.requires_grad and not self._outside]
+        self._frozen = [p for p in self._names if not p.requires_grad and not self._outside]
+        groups = group_ids(self._names, *self._grouping)
+        self._buckets = make_buckets(trained, self._names, groups,
+                                     runtime.state().config.bucket_bytes)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook))
                        for p in trained]
-        self._guards = pass_guard.Guards(trained, self._before_accumulation)
-        self._overlap = overlap.decide(runtime.state(), trained)
+        self._guards.reset(trained)
 
     @property
     def _overlap(self) -> bool:
@@ -98,8 +113,6 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._overlapping = bool(flag)
         self._guards.set(self._overlapping)
 
-    # ---- attribute pass-through ----
-
     @property
     def _parameter_names(self) -> Dict[torch.nn.Parameter, str]:
         """Parameter -> the name its gradient is reduced under (Horovod's map; scripts read it)."""
@@ -109,19 +122,29 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         return f"DistributedOptimizer({self._opt!r})"
 
     def add_param_group(self, param_group):
-        raise ValueError("DistributedOptimizer: add parameter groups to the optimizer before "
-                         "wrapping it (every rank must know every parameter's name up front)")
+        """Add a parameter group to the wrapped optimizer, as torch's add_param_group does, and
+        reduce its gradients from the next step on (progressive unfreezing). Between steps only;
+        every rank of the set must add the same group in the same order (the new gradients are
+        named from `named_parameters`, or by position as Horovod does)."""
+        if self._in_flight() or self._passes:
+            raise ValueError("DistributedOptimizer.add_param_group() was called during a step "
+                             "(after backward, before step() or synchronize()); add parameter "
+                             "groups between steps")
+        self._opt.add_param_group(param_group)
+        try:
+            self._layout()
+        except ValueError:
+            self._opt.param_groups.pop()  # not named: leave the optimizer as it was
+            self._layout()
+            raise
 
-    # ---- gradient submission ----
-
-    def _warn_unfrozen(self) -> None:
-        late = [self._names[p] for p in self._frozen if p.grad is not None]
-        if late:
-            warnings.warn(f"DistributedOptimizer: parameters {late[:5]} had requires_grad=False "
-                          f"when the optimizer was wrapped and have a gradient now; it is not "
-                          f"averaged across ranks. Wrap the optimizer after unfreezing them",
-                          UserWarning, stacklevel=4)
-            self._frozen = []  # once
+    def _follow_requires_grad(self) -> None:
+        """A new layout if, before any gradient of this step, the script has frozen or unfrozen
+        parameters since the last (the same way on every rank, as the program is the same)."""
+        if not self._passes and not self._in_flight() and (
+                any(p.requires_grad for p in self._frozen)
+                or not all(p.requires_grad for p in self._trained)):
+            self._layout()
 
     def _in_flight(self) -> bool:
         """A step has begun: some bucket is submitted, or has gradients waiting for step()."""
@@ -144,6 +167,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
     def _hook(self, p) -> None:
         if not self._counting:
             return
+        if not self._passes:  # the step's first gradient
+            self._follow_requires_grad()
         count = self._passes.get(p, 0) + 1
         self._passes[p] = count
         if count < self._passes_per_step:
@@ -165,9 +190,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         return torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
 
     def _submit(self, bucket: Bucket) -> None:
-        """One op for the bucket's dense gradients and one per sparse gradient. The first
-        dense submission goes through the checked path and its request is kept; later ones
-        reuse it while the gradients still fit it."""
+        """One op for the bucket's dense gradients (Bucket.start) and one per sparse
+        gradient."""
         bucket.submitted = True
         sparse = [p for p in bucket.params if self._is_sparse(p)]
         if sparse:  # by identity: `in` on tensors would compare their values
@@ -194,25 +218,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             wires.append(wire)
             ctxs.append(ctx)
         bucket.wires, bucket.ctxs = wires, ctxs
-        if sparse:  # the bucket op covers only some parameters: no memoized request for it
-            bucket.handle = ops.grouped_allreduce_async_(
-                wires, name=bucket.name, op=op, prescale_factor=self._pre,
-                postscale_factor=post, process_set=self._process_set)
-            return
-        req = bucket.request
-        # A parameter resized in place (pruning: p.data = p.data[keep]) needs a new request.
-        if req is not None and all(w.dtype is bucket.dtype and w.shape == shape
-                                   for w, shape in zip(wires, bucket.shapes)):
-            bucket.handle = ops.bucket_allreduce_async_(req, wires, self._process_set,
-                                                        bucket.cache_key)
-            return
-        bucket.handle = ops.grouped_allreduce_async_(
-            wires, name=bucket.name, op=op, prescale_factor=self._pre, postscale_factor=post,
-            process_set=self._process_set)
-        members = runtime.state().handles.members(bucket.handle)
-        if len(members) == 1:  # one dtype: remember the checked request for the next steps
-            bucket.request, bucket.cache_key = members[0].request, members[0].cache_key
-            bucket.dtype, bucket.shapes = wires[0].dtype, [w.shape for w in wires]
+        # A bucket op covering only some parameters has no kept request.
+        bucket.start(wires, op, self._pre, post, self._process_set, keep=not sparse)
 
     # ---- user-facing steps ----
 
@@ -220,6 +227,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
         parameters without a gradient). Synchronization: blocks until every rank has
         submitted the same buckets."""
+        self._follow_requires_grad()  # first: a new layout has its sparse kinds agreed anew
         if self._is_sparse.pending:
             self._is_sparse.agree([p for b in self._buckets for p in b.params],
                                   self._process_set)
@@ -241,11 +249,11 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._synchronized = True
 
     def _submit_rest(self) -> None:
-        """Submit every bucket the hooks have not; warn of parameters unfrozen since."""
+        """Submit every bucket the hooks have not."""
+        self._follow_requires_grad()
         for bucket in self._buckets:
             if not bucket.submitted:
                 self._submit(bucket)
-        self._warn_unfrozen()  # nothing to do once warned, or with nothing frozen
 
     def _end_step(self) -> None:
         """Every bucket empty and every pass count zero again: the next step may start."""
@@ -254,23 +262,13 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             bucket.submitted, bucket.dense, bucket.sparse = False, [], []
         self._passes.clear()
 
-    @contextlib.contextmanager
     def skip_synchronize(self):
         """Inside, step() does not synchronize (use after an explicit synchronize())."""
-        self._should_sync = False
-        try:
-            yield
-        finally:
-            self._should_sync = True
+        return pass_guard.cleared(self, "_should_sync")
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Inside, backward passes accumulate gradients locally without counting or reducing."""
-        self._counting = False
-        try:
-            yield
-        finally:
-            self._counting = True
+        return pass_guard.cleared(self, "_counting")
 
     def step(self, closure=None):
         """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer."""

@@ -1,5 +1,6 @@
 """DistributedOptimizer's refusal of a backward pass too many before step()."""
 
+import contextlib
 import functools
 import weakref
 from typing import Callable, List
@@ -24,6 +25,16 @@ def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
         f"backward_passes_per_step=N). {OTHER_BACKWARD}")
 
 
+@contextlib.contextmanager
+def cleared(owner, flag: str):
+    """`owner.flag` False inside (an optimizer's no_sync() and skip_synchronize()), True after."""
+    setattr(owner, flag, False)
+    try:
+        yield
+    finally:
+        setattr(owner, flag, True)
+
+
 def weak(method: Callable) -> Callable:
     """`method` (bound) called through a weak reference: the hooks it is registered as, which
     the parameters hold, do not keep its optimizer alive after the script drops it."""
@@ -45,13 +56,22 @@ class Guards:
     def __init__(self, params: List[torch.nn.Parameter], check: Callable):
         self.params, self.check = params, weak(check)
         self.handles: list = []
+        self.on = False
 
     def set(self, overlapping: bool) -> None:
         """Register the tensor hooks (`check(p, grad)` each) while overlapping; else remove."""
-        if overlapping and not self.handles:
+        self.on = bool(overlapping)
+        if self.on and not self.handles:
             self.handles = [p.register_hook(functools.partial(self.check, p))
                             for p in self.params]
-        elif not overlapping:
+        elif not self.on:
             for handle in self.handles:
                 handle.remove()
             self.handles = []
+
+    def reset(self, params: List[torch.nn.Parameter]) -> None:
+        """Guard `params` instead, registered if the old ones were."""
+        on = self.on
+        self.set(False)
+        self.params = params
+        self.set(on)

@@ -98,7 +98,17 @@ class ShardedOptimizer(DistributedOptimizer):
     def __repr__(self):
         return f"ShardedOptimizer({self._opt!r}, stage={self._stage})"
 
-    # ---- gradient submission ----
+    def add_param_group(self, param_group):
+        raise ValueError("ShardedOptimizer: add parameter groups before wrapping the optimizer")
+
+    def _follow_requires_grad(self) -> None:
+        changed = [self._names[p] for p in self._frozen + self._trained
+                   if p.requires_grad != (p in self._bucket_of)]
+        if changed and not self._outside:
+            raise RuntimeError(f"ShardedOptimizer: parameters {changed[:5]} changed "
+                               f"requires_grad after wrapping; its shards are laid out once. "
+                               f"Wrap the optimizer after freezing or unfreezing parameters "
+                               f"(DistributedOptimizer follows such changes)")
 
     def _hook(self, p) -> None:
         if self._stage == 1 and not self._outside:
@@ -159,8 +169,6 @@ class ShardedOptimizer(DistributedOptimizer):
             self._pool.release_all()
         self._reduced = True
         self._synchronized = True
-
-    # ---- step ----
 
     def step(self, closure=None):
         """Reduce-scatter what is left, step the wrapped optimizer on this rank's shards,
@@ -229,8 +237,6 @@ class ShardedOptimizer(DistributedOptimizer):
         grads = [s.grad for s in self._shards if s.grad is not None]
         return grad_norm.clip_(grads, max_norm, norm_type, error_if_nonfinite,
                                self._process_set)
-
-    # ---- state ----
 
     def _groups(self):
         return [dict(options, params=list(indices)) for options, indices in

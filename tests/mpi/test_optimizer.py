@@ -620,24 +620,6 @@ def test_bucket_with_mixed_dtypes_splits_by_dtype():
 
 
 @pytest.mark.mpi
-def test_unfreezing_after_wrapping_warns():
-    model = _model()
-    for p in model[0].parameters():
-        p.requires_grad_(False)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
-    for p in model[0].parameters():
-        p.requires_grad_(True)
-    (x, y), = _data(steps=1, micro=1)[0]
-    F.cross_entropy(model(_shard(x)), _shard(y)).backward()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run_all(opt.step)
-    text = " ".join(str(w.message) for w in caught)
-    assert_all("'0.weight'" in text and "not averaged" in text, f"warnings: {text!r}")
-
-
-@pytest.mark.mpi
 def test_parameter_names_map_as_horovod_keeps_it():
     """`opt._parameter_names` maps each parameter to its name, as Horovod's optimizer does
     (scripts read it); without named_parameters the names are Horovod's automatic ones."""
