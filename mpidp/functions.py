@@ -28,12 +28,21 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a "
                             f"tensor")
-        data = torch.view_as_real(tensor.data) if tensor.is_complex() else tensor.data
-        handles.append(ops.broadcast_async_(data, root_rank,
-                                            name=f"broadcast_parameters.{name}",
-                                            process_set=process_set))
-    for handle in handles:
+        # channels_last or transposed tensors go through a packed copy (written back below).
+        data = tensor.data
+        packed = data if data.is_contiguous() else data.contiguous()
+        handles.append((ops.broadcast_async_(_real(packed), root_rank,
+                                             name=f"broadcast_parameters.{name}",
+                                             process_set=process_set), data, packed))
+    for handle, data, packed in handles:
         ops.synchronize(handle)
+        if packed is not data:
+            data.copy_(packed)
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (a view, as DDP does); others as is."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=None) -> Any:
@@ -120,12 +129,13 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
                 continue
             shape, dtype = rest
             if rank == root_rank:
-                tensor = state["state"][idx][key].detach().cpu().clone()
+                tensor = state["state"][idx][key].detach().cpu().clone(
+                    memory_format=torch.contiguous_format)  # channels_last state too
             else:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             label = names[idx] if idx < len(names) else f"param.{idx}"
             handles.append(ops.broadcast_async_(
-                tensor, root_rank, name=f"broadcast_optimizer_state.{label}.{key}",
+                _real(tensor), root_rank, name=f"broadcast_optimizer_state.{label}.{key}",
                 process_set=process_set))
             entry[key] = tensor
         new_state[idx] = entry

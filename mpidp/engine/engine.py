@@ -16,7 +16,7 @@ from .executor import Executor
 from .lane import Lane, plan as lane_plan
 from .stats import EngineStats
 from .response_cache import HIT
-from .tensor_queue import CACHED, Entry, TensorQueue
+from .tensor_queue import CACHED, Entry, TensorQueue, normal_mode
 from .timeline import Timeline
 
 # Longest sleep between cycles that made no progress while this rank has ops waiting for other
@@ -56,8 +56,6 @@ class Engine:
         self.clean = True
         self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
         self._lone = Lane()  # the band of a lone op that drive() runs as express() does
-
-    # ---- user-thread side ----
 
     def start(self) -> None:
         self._thread.start()
@@ -240,7 +238,8 @@ class Engine:
     def _guarded_cycle(self, first: Optional[Entry] = None, plan: Optional[Lane] = None) -> bool:
         """One cycle; an exception stops the engine (and fails every op) instead of escaping."""
         try:
-            return self._cycle(first, plan)
+            with normal_mode():  # a user thread in inference mode may drive it
+                return self._cycle(first, plan)
         except BaseException as exc:
             logger.error("engine failed on rank %d%s", self.rank, (
                 ": a second Ctrl-C before the first one's cycle ended" if isinstance(

@@ -1,11 +1,44 @@
 """The op record and the submission queue: every op in flight on this rank, in one table."""
 
+import contextlib
 import threading
 import time
 from typing import Dict, List, Optional
 
+import torch
+
 from .handles import Handle
 from .messages import Request, op_label
+
+def _outside_inference(tensor, output):
+    """`tensor` and `output` (tensors, lists of them, or None) with each inference tensor (made
+    under torch.inference_mode(), a setting of the submitting thread) replaced by a normal
+    tensor on the same memory: the engine thread, outside inference mode, may then write and
+    scale them in place, which torch refuses on inference tensors there."""
+    aliases = {}
+
+    def normal(t):
+        if not isinstance(t, torch.Tensor) or not t.is_inference():
+            return t
+        if id(t) not in aliases:
+            with torch.inference_mode(False):
+                aliases[id(t)] = torch.from_dlpack(t)
+        return aliases[id(t)]
+
+    def each(x):
+        return [normal(t) for t in x] if isinstance(x, list) else normal(x)
+    return each(tensor), each(output)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def normal_mode():
+    """Outside inference mode for an engine cycle on a user thread that is in it: tensors the
+    cycle makes and keeps (fusion buffers) must be normal ones, which the engine thread may
+    write in place later."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NO_CONTEXT
+
 
 # Where an admitted op waits: on its response-cache bit, or for the coordinator's answer.
 NEW, CACHED, SENT = 0, 1, 2
@@ -25,6 +58,8 @@ class Entry(Handle):
 
     def __init__(self, request: Request, tensor, output, extra=None, cache_key=None):
         Handle.__init__(self, request.name)
+        if torch.is_inference_mode_enabled():
+            tensor, output = _outside_inference(tensor, output)
         self.request = request
         self.tensor = tensor      # input
         self.output = output      # where the result goes (is `tensor` when in place)
