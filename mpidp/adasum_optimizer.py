@@ -30,6 +30,8 @@ from .process_sets import member_of
 class AdasumOptimizer(DistributedOptimizer):
     """What DistributedOptimizer(optimizer, op=mpidp.Adasum, ...) is (see the module docstring)."""
 
+    completes_in_backward = False  # the updates are reduced in step()
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._deltas = not self._outside and \

@@ -55,6 +55,11 @@ def claim(owner, set_id: int, names: Dict[torch.nn.Parameter, str]) -> Dict[torc
     return out
 
 
+def release(owner) -> None:
+    """`owner`'s names are free again (it is laid out anew)."""
+    _claimed.pop(owner, None)
+
+
 def _taken(set_id: int) -> set:
     """Every name a live optimizer on process set `set_id` reduces under."""
     taken = set()

@@ -108,6 +108,12 @@ KNOBS: Tuple[Knob, ...] = (
          "parameters are on the CPU and a rank's share of the host's cores is no more than "
          "torch's threads, where overlapping slowed training steps by 5-80 % here "
          "(BENCHMARKS.md).", must_agree=False),
+    Knob("reduce_in_backward", "MPIDP_REDUCE_IN_BACKWARD", _parse_bool, True,
+         "1: a backward pass after which this rank has every gradient of DistributedOptimizer's "
+         "step returns only once they are averaged, as with DDP, so clipping, GradScaler or a "
+         "gradient hook between backward() and step() sees the averaged gradients (a rank whose "
+         "loss skipped a parameter still reduces in step()); 0: the reductions are waited for "
+         "in step() or synchronize(), as in Horovod."),
     Knob("keep_freed_memory", "MPIDP_KEEP_FREED_MEMORY", _parse_bool, True,
          "1: init() tells glibc's malloc to keep freed blocks below 256 MiB for reuse instead of "
          "giving them back and page-faulting them in again every step (Adam training steps ran "

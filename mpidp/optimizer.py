@@ -5,15 +5,15 @@ from typing import Dict
 
 import torch
 
-from . import op_args, ops, overlap, pass_guard, runtime, wrapped
-from .sparse import SparseGradients, sparse_allreduce_async
-from .buckets import Bucket, claim, group_ids, make_buckets, named
+from . import op_args, ops, overlap, param_layout, pass_guard, runtime, wrapped
+from .sparse import sparse_allreduce_async
+from .buckets import Bucket
 from .process_sets import is_outside, member_of
 from .compression import Compression
 from .ops import Average
 
 
-class DistributedOptimizer(wrapped.OptimizerWrapper):
+class DistributedOptimizer(param_layout.ParamLayout):
     """Wraps `optimizer`; averages gradients across ranks, overlapping the backward pass.
 
     As in Horovod, its class is built from the wrapped optimizer's: `isinstance(opt,
@@ -21,6 +21,9 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
     through this one (wrapped.OptimizerWrapper), so LR schedulers and GradScaler work unchanged.
     """
 
+    # Whether a backward pass that readies every gradient waits for their reduction (the
+    # `reduce_in_backward` knob); the variants that reduce otherwise say no.
+    completes_in_backward = True
     # Reduce ops whose optimizer works otherwise register their subclass here, so that this
     # module never imports it (op=Adasum reduces updates, not gradients: adasum_optimizer.py).
     variants: dict = {}
@@ -68,83 +71,25 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         # engine also divides by size for Average).
         self._pre = 1.0 / gradient_predivide_factor
         self._post_factor = gradient_predivide_factor
-        self._sparse_as_dense = sparse_as_dense
+        # Only this class's own submission reduces sparse gradients as sparse ops.
+        self._sparse_ops = not (sparse_as_dense or self._outside or
+                                type(self)._submit is not DistributedOptimizer._submit)
         self._passes_per_step = 1
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._passes: Dict[torch.nn.Parameter, int] = {}
         self._synchronized, self._should_sync = False, True
         self._counting, self._warned_double_sync = True, False
+        # _completed: this step's gradients were reduced when its last backward pass ended.
+        self._completed = self._end_queued = False
+        self._in_backward = self.completes_in_backward and \
+            runtime.state().config.reduce_in_backward
         self._hooks = []
         self._guards = pass_guard.Guards([], self._before_accumulation)
         self._layout()
         self._overlap = overlap.decide(runtime.state(), self._trained)
 
-    def _layout(self) -> None:
-        """Names, buckets and hooks for the optimizer's parameters that require a gradient now
-        (frozen ones get no hook and no bucket, as in Horovod). Run at wrapping, and again
-        between steps when the parameters or their requires_grad change (kept requests go)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._names = named(self._opt, self._named_list)
-        if self._set_id is not None:
-            self._names = claim(self, self._set_id, self._names)
-        # Only this class's own submission reduces sparse gradients as sparse ops; kinds are
-        # agreed anew at the next synchronize.
-        self._is_sparse = SparseGradients(self._sparse_as_dense or self._outside or
-                                          type(self)._submit is not DistributedOptimizer._submit)
-        trained = self._trained = [p for p in self._names
-                                   if p.requires_grad and not self._outside]
-        self._frozen = [p for p in self._names if not p.requires_grad and not self._outside]
-        groups = group_ids(self._names, *self._grouping)
-        self._buckets = make_buckets(trained, self._names, groups,
-                                     runtime.state().config.bucket_bytes)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook))
-                       for p in trained]
-        self._guards.reset(trained)
-
-    @property
-    def _overlap(self) -> bool:
-        """Whether buckets are submitted during backward (the `overlap` knob)."""
-        return self._overlapping
-
-    @_overlap.setter
-    def _overlap(self, flag: bool) -> None:
-        self._overlapping = bool(flag)
-        self._guards.set(self._overlapping)
-
-    @property
-    def _parameter_names(self) -> Dict[torch.nn.Parameter, str]:
-        """Parameter -> the name its gradient is reduced under (Horovod's map; scripts read it)."""
-        return self._names
-
     def __repr__(self):
         return f"DistributedOptimizer({self._opt!r})"
-
-    def add_param_group(self, param_group):
-        """Add a parameter group to the wrapped optimizer, as torch's add_param_group does, and
-        reduce its gradients from the next step on (progressive unfreezing). Between steps only;
-        every rank of the set must add the same group in the same order (the new gradients are
-        named from `named_parameters`, or by position as Horovod does)."""
-        if self._in_flight() or self._passes:
-            raise ValueError("DistributedOptimizer.add_param_group() was called during a step "
-                             "(after backward, before step() or synchronize()); add parameter "
-                             "groups between steps")
-        self._opt.add_param_group(param_group)
-        try:
-            self._layout()
-        except ValueError:
-            self._opt.param_groups.pop()  # not named: leave the optimizer as it was
-            self._layout()
-            raise
-
-    def _follow_requires_grad(self) -> None:
-        """A new layout if, before any gradient of this step, the script has frozen or unfrozen
-        parameters since the last (the same way on every rank, as the program is the same)."""
-        if not self._passes and not self._in_flight() and (
-                any(p.requires_grad for p in self._frozen)
-                or not all(p.requires_grad for p in self._trained)):
-            self._layout()
 
     def _in_flight(self) -> bool:
         """A step has begun: some bucket is submitted, or has gradients waiting for step()."""
@@ -161,14 +106,28 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
                                           self._overlap)
 
     def _before_accumulation(self, p, grad) -> None:
-        if self._counting and self._passes.get(p, 0) >= self._passes_per_step:
+        # Nothing is in flight once the step completed (torch.autograd.grad after backward
+        # passes here too, and accumulates nothing).
+        if self._counting and self._passes.get(p, 0) >= self._passes_per_step \
+                and not self._completed:
             raise self._too_many_passes(p)
 
     def _hook(self, p) -> None:
+        if p not in self._bucket_of:
+            raise RuntimeError("a post-accumulate-grad hook registered before "
+                               "DistributedOptimizer's returned a value; such hooks must "
+                               "return None")
         if not self._counting:
             return
+        if self._completed:
+            # Another backward pass after the step was reduced in one: its gradients add to
+            # the averaged ones, and are reduced in turn (linear: as DDP accumulates).
+            self._end_step()
         if not self._passes:  # the step's first gradient
             self._follow_requires_grad()
+        if self._in_backward and not self._end_queued:  # this backward pass's first
+            self._end_queued = True
+            pass_guard.at_backward_end(pass_guard.weak(self._backward_ended))
         count = self._passes.get(p, 0) + 1
         self._passes[p] = count
         if count < self._passes_per_step:
@@ -221,12 +180,27 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         # A bucket op covering only some parameters has no kept request.
         bucket.start(wires, op, self._pre, post, self._process_set, keep=not sparse)
 
+    def _backward_ended(self) -> None:
+        """A counted backward pass ended: if this rank has every gradient of the step, wait
+        for their reduction now, so that backward() returns with them averaged."""
+        self._end_queued = False
+        if not self._completed and all(b.ready == len(b.params) for b in self._buckets):
+            self._reduce()
+            self._completed = True
+
     # ---- user-facing steps ----
 
     def synchronize(self) -> None:
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
         parameters without a gradient). Synchronization: blocks until every rank has
-        submitted the same buckets."""
+        submitted the same buckets (nothing more when the backward pass already did)."""
+        if not self._completed:
+            self._reduce()
+        self._end_step()
+        self._synchronized = True
+
+    def _reduce(self) -> None:
+        """Submit what is left, wait for every bucket, put the results in .grad."""
         self._follow_requires_grad()  # first: a new layout has its sparse kinds agreed anew
         if self._is_sparse.pending:
             self._is_sparse.agree([p for b in self._buckets for p in b.params],
@@ -244,9 +218,9 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
                         p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
                 for p, sparse_handle in bucket.sparse:
                     p.grad = ops.synchronize(sparse_handle)
-        finally:
+        except BaseException:
             self._end_step()
-        self._synchronized = True
+            raise
 
     def _submit_rest(self) -> None:
         """Submit every bucket the hooks have not."""
@@ -261,6 +235,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
             bucket.submitted, bucket.dense, bucket.sparse = False, [], []
         self._passes.clear()
+        self._completed = self._end_queued = False
 
     def skip_synchronize(self):
         """Inside, step() does not synchronize (use after an explicit synchronize())."""
@@ -271,19 +246,44 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         return pass_guard.cleared(self, "_counting")
 
     def step(self, closure=None):
-        """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer."""
+        """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer.
+        A closure is reduced at each call: the gradients it makes are averaged, and so is the
+        loss it returns (detached), so that LBFGS decides alike on every rank. Synchronization:
+        synchronize()'s, and one allreduce of the loss per call of the closure."""
         if self._should_sync:
             if self._synchronized and not self._in_flight() and not self._warned_double_sync:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
                               "`with optimizer.skip_synchronize():`; gradients are reduced a "
                               "second time", UserWarning, stacklevel=2)
                 self._warned_double_sync = True
-            self.synchronize()
+            if closure is None or self._in_flight():
+                self.synchronize()
+            if closure is not None:
+                closure = self._reduced(closure)
         self._synchronized = False
         return self._opt.step(closure)
 
+    def _reduced(self, closure):
+        """`closure` whose gradients and returned loss are averaged over the set."""
+        def reduced():
+            loss = closure()
+            self.synchronize()
+            self._synchronized = False  # this step's own: no "reduced a second time" later
+            if loss is None:
+                return None
+            value = torch.as_tensor(loss).detach().to(torch.float64).reshape(1)
+            avg = ops.synchronize(ops.allreduce_async(value, name="mpidp.closure_loss",
+                                                      process_set=self._process_set))
+            if isinstance(loss, torch.Tensor):
+                return avg.to(loss.dtype).reshape(loss.shape)
+            return type(loss)(avg.item())
+        return reduced
+
     def zero_grad(self, set_to_none: bool = True):
-        """Clear gradients; refuses while reductions are in flight (call step() first)."""
+        """Clear gradients; refuses while reductions are in flight (call step() first); the
+        gradients of a step the backward pass already reduced are dropped (a skipped step)."""
+        if self._completed:
+            self._end_step()
         if self._in_flight():
             raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
                              "before optimizer.step() or optimizer.synchronize(); gradients "

@@ -1,4 +1,4 @@
-"""DistributedOptimizer's refusal of a backward pass too many before step()."""
+"""DistributedOptimizer's backward passes: the refusal of one too many, and the end of one."""
 
 import contextlib
 import functools
@@ -23,6 +23,12 @@ def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
         f"optimizer.step()). Call optimizer.step() or optimizer.synchronize() before the next "
         f"backward pass, or accumulate passes with DistributedOptimizer("
         f"backward_passes_per_step=N). {OTHER_BACKWARD}")
+
+
+def at_backward_end(callback: Callable) -> None:
+    """Call `callback` when the backward pass now running (this is called from its hooks)
+    ends, after every gradient of it has been accumulated (autograd's final callbacks)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 @contextlib.contextmanager

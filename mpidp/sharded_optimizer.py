@@ -25,8 +25,7 @@ from .process_sets import member_of
 from .shard_buffers import ShardBuffers
 from .shard_layout import Layout
 
-# torch optimizers whose state or update is not elementwise per parameter.
-_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")  # state not per element
 
 
 class ShardedOptimizer(DistributedOptimizer):
@@ -36,6 +35,8 @@ class ShardedOptimizer(DistributedOptimizer):
     Adam, AdamW, RMSprop, ...), param groups, LR schedulers, backward_passes_per_step.
     Synchronization: step() waits for every bucket's reduce-scatter, then allgathers the
     updated parameters (every rank of the set must call it)."""
+
+    completes_in_backward = False  # its synchronize() is a reduce-scatter for step()
 
     def __init__(self, optimizer, named_parameters=None, process_set=None, stage: int = 1,
                  backward_passes_per_step: int = 1):
@@ -105,10 +106,9 @@ class ShardedOptimizer(DistributedOptimizer):
         changed = [self._names[p] for p in self._frozen + self._trained
                    if p.requires_grad != (p in self._bucket_of)]
         if changed and not self._outside:
-            raise RuntimeError(f"ShardedOptimizer: parameters {changed[:5]} changed "
-                               f"requires_grad after wrapping; its shards are laid out once. "
-                               f"Wrap the optimizer after freezing or unfreezing parameters "
-                               f"(DistributedOptimizer follows such changes)")
+            raise RuntimeError(f"ShardedOptimizer: parameters {changed[:5]} changed requires_grad "
+                               f"after wrapping; its shards are laid out once. Wrap it after "
+                               f"(un)freezing them (DistributedOptimizer follows such changes)")
 
     def _hook(self, p) -> None:
         if self._stage == 1 and not self._outside:

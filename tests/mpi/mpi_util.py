@@ -133,3 +133,24 @@ def int_average(total, n: int):
     zero (-3 over 2 ranks is -1, not floor's -2)."""
     import torch
     return (total.to(torch.float64) * (1.0 / n)).trunc().to(total.dtype)
+
+
+# ---- training helpers ----
+
+def row_batches(steps: int, rows: int, seed: int, features: int = 4, classes: int = 3):
+    """`steps` float64 batches (x, y) of `rows` rows per rank, alike on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    n = size()
+    return [(torch.randn(rows * n, features, generator=g, dtype=torch.float64),
+             torch.randint(0, classes, (rows * n,), generator=g)) for _ in range(steps)]
+
+
+def my_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """This rank's `rows` rows of a batch from row_batches."""
+    r = rank()
+    return t[r * rows:(r + 1) * rows]
+
+
+def max_deviation(model, ref) -> float:
+    """The largest difference between the two models' parameters."""
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))

@@ -8,7 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpidp
-from mpi_util import assert_all, gather, raises_all, run_all
+from mpi_util import (assert_all, gather, max_deviation, my_rows, raises_all, row_batches,
+                      run_all)
 
 ROWS = 3  # rows per rank
 
@@ -20,15 +21,14 @@ def _model():
 
 
 def _batches(steps):
-    g = torch.Generator().manual_seed(2)
-    n = mpidp.size()
-    return [(torch.randn(ROWS * n, 4, generator=g, dtype=torch.float64),
-             torch.randint(0, 3, (ROWS * n,), generator=g)) for _ in range(steps)]
+    return row_batches(steps, ROWS, seed=2)
 
 
 def _mine(t):
-    r = mpidp.rank()
-    return t[r * ROWS:(r + 1) * ROWS]
+    return my_rows(t, ROWS)
+
+
+_deviation = max_deviation
 
 
 def _step(model, opt, x, y, distributed):
@@ -39,10 +39,6 @@ def _step(model, opt, x, y, distributed):
     else:
         F.cross_entropy(model(x), y).backward()
         opt.step()
-
-
-def _deviation(model, ref):
-    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
 
 def _same_everywhere(model):
@@ -117,24 +113,35 @@ def test_freezing_and_unfreezing_between_steps_is_followed(overlapping):
 
 
 @pytest.mark.mpi
-def test_add_param_group_refusals_leave_the_optimizer_as_it_was():
-    model = _model()
+def test_add_param_group_refusals_and_parameters_named_by_position():
+    """A group of parameters that named_parameters did not name (a module added after
+    wrapping) is named by position, as Horovod names them all; adding one during a step, or a
+    parameter twice (torch's own check), is refused and leaves the optimizer as it was."""
+    model, ref = _model(), _model()
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model[4].parameters(), lr=0.1),
                                      named_parameters=list(model[4].named_parameters()))
+    ref_opt = torch.optim.SGD(ref[4].parameters(), lr=0.1)
     x, y = _batches(1)[0]
-    # Not named: named_parameters covered only the head.
-    raises_all(ValueError, lambda: opt.add_param_group({"params": model[0].parameters()}),
-               match="named_parameters does not cover")
-    # During a step (after backward, before step).
     F.cross_entropy(model(_mine(x)), _mine(y)).backward()
     raises_all(ValueError, lambda: opt.add_param_group({"params": model[2].parameters()}),
                match="between steps")
     run_all(opt.step)
-    groups = [len(g["params"]) for g in opt.param_groups]
-    assert_all(groups == [2], f"groups {groups}")
-    # torch's own check still applies (a parameter in two groups).
     raises_all(ValueError, lambda: opt.add_param_group({"params": model[4].weight}),
                match="more than one parameter group")
+    groups = [len(g["params"]) for g in opt.param_groups]
+    assert_all(groups == [2], f"groups {groups}")
+    ref_opt.zero_grad()
+    F.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.add_param_group({"params": list(m[0].parameters()), "lr": 0.2})
+    for x, y in _batches(3):
+        _step(model, opt, x, y, True)
+        _step(ref, ref_opt, x, y, False)
+    names = sorted(opt._parameter_names.values())
+    want = ["allreduce.noname.1.0", "allreduce.noname.1.1", "bias", "weight"]
+    err = _deviation(model, ref)
+    assert_all(err < 1e-10 and names == want, f"deviation {err}, names {names}")
 
 
 @pytest.mark.mpi

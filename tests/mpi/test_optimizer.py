@@ -1,5 +1,6 @@
 """DistributedOptimizer: N ranks on N shards equal one process on the whole batch; edge cases."""
 
+import contextlib
 import copy
 import time
 import warnings
@@ -45,6 +46,19 @@ def _assert_replicas_bitwise(model, what):
 
 def _close(model, ref, tol=1e-10):
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def _train_both(model, opt, ref, ref_opt, steps, micro):
+    """Train the distributed model on its shards and the reference on the whole batches, each
+    step's micro-batches accumulated by backward passes before one step()."""
+    for step in _data(steps=steps, micro=micro):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for x, y in step:
+            F.cross_entropy(model(_shard(x)), _shard(y)).backward()
+            F.cross_entropy(ref(x), y).backward()
+        run_all(opt.step)
+        ref_opt.step()
 
 
 OPTIMIZERS = {
@@ -103,18 +117,22 @@ def test_clipping_after_synchronize_clips_the_global_gradient(device):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_end", "overlapped"])
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("recipe", ["horovod", "plain"])
-def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused, recipe):
+@pytest.mark.parametrize("recipe", ["horovod", "plain", "torch_plain"])
+def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused, recipe, overlapping):
     """Horovod's recipe with torch's GradScaler (synchronize, unscale_, step without
-    synchronizing), or the plain loop with mpidp's scaler, which does that itself (with torch's,
-    the rank that alone overflowed skipped step() and the others waited for it for good). A
-    fused optimizer takes the scale and inf flag as attributes set on the optimizer it is given
-    (the wrapper): they must reach the wrapped one."""
+    synchronizing); the plain loop with mpidp's scaler, which does that itself; the plain loop
+    with torch's, which works because backward() returns with the gradients averaged
+    (reduce_in_backward; without it the rank that alone overflowed skipped step() and the
+    others waited for good, and overlapping, unscale_() raced the reduction). A fused
+    optimizer takes the scale and inf flag as attributes set on the optimizer it is given (the
+    wrapper): they must reach the wrapped one."""
     model = _model().float()
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=fused),
                                      named_parameters=model.named_parameters())
-    scaler = (torch.amp.GradScaler if recipe == "horovod" else mpidp.ShardedGradScaler)(
+    opt._overlap = overlapping
+    scaler = (mpidp.ShardedGradScaler if recipe == "plain" else torch.amp.GradScaler)(
         "cpu", init_scale=2.0 ** 10)
     before_skip = None
     for i, ((x, y),) in enumerate(_data(steps=4, micro=1)):
@@ -208,10 +226,13 @@ def test_two_optimizers_in_flight_at_once_have_distinct_names(named):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "plain"])
 @pytest.mark.parametrize("overlapping", [False, True])
-def test_standard_gan_loop_with_no_sync_for_the_generator_step(overlapping):
-    """The usual GAN loop: the generator's loss reaches the discriminator's parameters too;
-    with that backward inside the discriminator optimizer's no_sync(), training equals one
+def test_standard_gan_loop_equals_one_process(overlapping, no_sync):
+    """The usual GAN loop: the generator's loss reaches the discriminator's parameters too.
+    With that backward inside the discriminator optimizer's no_sync(), nothing of it is
+    reduced; without, the backward pass reduces those gradients (reduce_in_backward) and the
+    discriminator's zero_grad() drops them, as DDP does. Either way training equals one
     process."""
     def build():
         torch.manual_seed(0)
@@ -232,7 +253,7 @@ def test_standard_gan_loop_with_no_sync_for_the_generator_step(overlapping):
             dn(gn(zz).detach()).pow(2).mean().backward()
             run_all(d_opt.step) if d_opt is opt_d else d_opt.step()
         opt_g.zero_grad()
-        with opt_d.no_sync():
+        with opt_d.no_sync() if no_sync else contextlib.nullcontext():
             (-disc(gen(_shard(z))).mean()).backward()
         run_all(opt_g.step)
         ref_g.zero_grad()
@@ -244,16 +265,21 @@ def test_standard_gan_loop_with_no_sync_for_the_generator_step(overlapping):
 
 
 @pytest.mark.mpi
-def test_a_gan_loop_without_no_sync_is_refused_naming_the_remedy():
-    """Without no_sync() the generator's backward counts as the discriminator's next pass: its
-    zero_grad() is refused, as Horovod refuses it, and the message says what to do."""
-    gen, disc = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
-    opt_d = mpidp.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1),
-                                       named_parameters=disc.named_parameters())
-    (-disc(gen(torch.ones(2, 3, dtype=torch.float64))).mean()).backward()
-    raises_all(ValueError, opt_d.zero_grad, match="no_sync")
-    run_all(opt_d.synchronize)
-    opt_d.zero_grad()
+def test_a_gan_loop_without_no_sync_is_refused_in_horovod_mode_naming_the_remedy():
+    """With reduce_in_backward off (Horovod's behaviour), the generator's backward counts as
+    the discriminator's next pass and stays unreduced: its zero_grad() is refused, as Horovod
+    refuses it, and the message says what to do."""
+    try:
+        run_all(_reinit, reduce_in_backward=False)
+        gen, disc = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
+        opt_d = mpidp.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1),
+                                           named_parameters=disc.named_parameters())
+        (-disc(gen(torch.ones(2, 3, dtype=torch.float64))).mean()).backward()
+        raises_all(ValueError, opt_d.zero_grad, match="no_sync")
+        run_all(opt_d.synchronize)
+        opt_d.zero_grad()
+    finally:
+        run_all(_reinit)
 
 
 @pytest.mark.mpi
@@ -479,30 +505,38 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
 
 
 @pytest.mark.mpi
-def test_overlap_knob_decides_when_buckets_are_submitted():
-    """overlap=1 submits buckets from the backward pass, overlap=0 none before the step; the
-    replicas are bitwise equal in each mode, the two modes' parameters equal up to rounding
-    (gloo's sum order follows how buckets were batched), and zero_grad() between backward and
-    step() is refused either way."""
+@pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "at_step"])
+def test_overlap_knob_decides_when_buckets_are_submitted(in_backward):
+    """overlap=1 submits buckets from the backward pass, overlap=0 none before the step (or
+    all at its end with reduce_in_backward, which returns with them reduced); the replicas are
+    bitwise equal in each mode, the two modes' parameters equal up to rounding (gloo's sum
+    order follows how buckets were batched). zero_grad() between backward and step() is
+    refused while reductions are pending, and drops reduced gradients otherwise."""
     trained, problems = [], []
     try:
         for setting in ("1", "0"):
-            run_all(_reinit, overlap=setting, bucket_bytes=64)
+            run_all(_reinit, overlap=setting, bucket_bytes=64, reduce_in_backward=in_backward)
             model = _model()
             opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                              named_parameters=model.named_parameters())
             (x, y), = _data(steps=1, micro=1)[0]
             F.cross_entropy(model(_shard(x)), _shard(y)).backward()
             submitted = sum(b.submitted for b in opt._buckets)
-            if submitted != (len(opt._buckets) if setting == "1" else 0):
+            want = len(opt._buckets) if setting == "1" or in_backward else 0
+            if submitted != want or opt._completed != in_backward:
                 problems.append(f"overlap={setting}: {submitted} of {len(opt._buckets)} "
-                                f"buckets submitted during backward")
+                                f"buckets submitted during backward, completed "
+                                f"{opt._completed}")
             try:
                 opt.zero_grad()
-                problems.append(f"overlap={setting}: zero_grad() before step() was accepted")
+                if not in_backward:
+                    problems.append(f"overlap={setting}: zero_grad() before step() accepted")
             except ValueError:
-                pass
-            run_all(opt.step)
+                if in_backward:
+                    problems.append(f"overlap={setting}: zero_grad() after a reduced "
+                                    f"backward refused")
+            if not in_backward:
+                run_all(opt.step)
             for (x, y), in _data(steps=2, micro=1, seed=2):
                 opt.zero_grad()
                 F.cross_entropy(model(_shard(x)), _shard(y)).backward()
@@ -548,14 +582,7 @@ def test_frozen_parameters_are_skipped():
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in _data(steps=3, micro=1):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for x, y in step:
-            F.cross_entropy(model(_shard(x)), _shard(y)).backward()
-            F.cross_entropy(ref(x), y).backward()
-        run_all(opt.step)
-        ref_opt.step()
+    _train_both(model, opt, ref, ref_opt, steps=3, micro=1)
     same = all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
     no_grad = all(p.grad is None for p in model[0].parameters())
     err = _close(model, ref)
@@ -578,6 +605,16 @@ def test_all_parameters_frozen_is_a_no_op():
 @pytest.mark.mpi
 @pytest.mark.parametrize("overlapping", [True, False])
 def test_second_backward_before_step_raises_naming_parameter_and_remedies(overlapping):
+    """In Horovod's mode (reduce_in_backward off) a second backward pass before step() is
+    refused; see the next test for the default."""
+    run_all(_reinit, reduce_in_backward=False)
+    try:
+        _second_backward_refused(overlapping)
+    finally:
+        run_all(_reinit)
+
+
+def _second_backward_refused(overlapping):
     model = _model()
     opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters())
@@ -603,6 +640,23 @@ def test_second_backward_before_step_raises_naming_parameter_and_remedies(overla
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()
     run_all(opt.step)
     _assert_replicas_bitwise(model, "after the refused backward")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [True, False])
+def test_second_backward_after_a_reduced_one_accumulates_as_ddp(overlapping):
+    """With reduce_in_backward, each backward pass returns with the gradients averaged; a
+    second one before step() adds to them and is reduced in turn, which is the average of the
+    sum (reduction is linear), as DDP accumulates: the step equals one process on both."""
+    model, ref = _model(), _model()
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    opt._overlap = overlapping
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _train_both(model, opt, ref, ref_opt, steps=2, micro=2)
+    err = _close(model, ref)
+    assert_all(err < 1e-10, f"deviation {err}")
+    _assert_replicas_bitwise(model, "accumulated")
 
 
 @pytest.mark.mpi

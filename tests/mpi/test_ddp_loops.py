@@ -1,0 +1,138 @@
+"""Loops written for DDP: what runs between backward() and step() sees averaged gradients."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpidp
+from mpi_util import (assert_all, gather, max_deviation, my_rows, raises_all, row_batches,
+                      run_all)
+
+ROWS = 3  # rows per rank
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _batches(steps):
+    return row_batches(steps, ROWS, seed=4)
+
+
+def _mine(t):
+    return my_rows(t, ROWS)
+
+
+_deviation = max_deviation
+
+
+def _bitwise_alike(model):
+    mine = [p.detach().clone() for p in model.parameters()]
+    return all(all(torch.equal(a, b) for a, b in zip(mine, other)) for other in gather(mine))
+
+
+def _wrapped(model, make, overlapping):
+    opt = mpidp.DistributedOptimizer(make(model.parameters()),
+                                     named_parameters=model.named_parameters())
+    opt._overlap = overlapping
+    return opt
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_end", "overlapped"])
+def test_clipping_between_backward_and_step_without_synchronize(overlapping):
+    """The DDP loop: backward, clip_grad_norm_, step. The clip sees the averaged gradients
+    (overlapping, it raced the reductions and the replicas drifted apart)."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.5), overlapping)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in _batches(3):
+        opt.zero_grad()
+        (F.cross_entropy(model(_mine(x)), _mine(y)) * 50).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        (F.cross_entropy(ref(x), y) * 50).backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+    err = _deviation(model, ref)
+    assert_all(err < 1e-10 and _bitwise_alike(model), f"deviation {err}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_end", "overlapped"])
+@pytest.mark.parametrize("kind", ["sgd", "lbfgs"])
+def test_step_with_a_closure_averages_each_evaluation(kind, overlapping):
+    """step(closure): the closure's gradients are averaged (they were stepped unreduced, and
+    the replicas drifted apart), and so is its loss, so that LBFGS's line search decides alike
+    on every rank: the run equals one process on the whole batch."""
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.3, momentum=0.5),
+            "lbfgs": lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=4,
+                                                  line_search_fn="strong_wolfe")}[kind]
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = _wrapped(model, make, overlapping)
+    ref_opt = make(ref.parameters())
+    losses = []
+    for x, y in _batches(3):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(_mine(x)), _mine(y))
+            loss.backward()
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = F.cross_entropy(ref(x), y)
+            loss.backward()
+            return loss
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "reduced a second time"
+            got = run_all(opt.step, closure)
+        want = ref_opt.step(ref_closure)
+        losses.append((float(got), want.item()))
+    err = _deviation(model, ref)
+    loss_err = max(abs(a - b) for a, b in losses)
+    assert_all(err < 1e-9 and loss_err < 1e-12 and _bitwise_alike(model),
+               f"deviation {err}, losses {losses}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_end", "overlapped"])
+def test_autograd_grad_after_backward_is_not_a_second_pass(overlapping):
+    """torch.autograd.grad on the parameters after backward (gradient-norm logging, GradNorm)
+    accumulates nothing into .grad: it was refused as another backward pass."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.1), overlapping)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in _batches(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(_mine(x)), _mine(y))
+        loss.backward(retain_graph=True)
+        norms = run_all(torch.autograd.grad, loss, list(model.parameters()))
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    err = _deviation(model, ref)
+    assert_all(err < 1e-10 and len(norms) == 4, f"deviation {err}")
+
+
+@pytest.mark.mpi
+def test_a_user_hook_returning_a_value_is_named():
+    model = _model()
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: p.grad * 1)
+    opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.1), False)
+    x, y = _batches(1)[0]
+    err = raises_all(RuntimeError, lambda: F.cross_entropy(model(_mine(x)),
+                                                            _mine(y)).backward(),
+                     match="must return None")
+    assert_all(err is not None)
+    del opt
