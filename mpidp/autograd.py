@@ -61,9 +61,12 @@ class Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, ps):
         ctx.dim0, ctx.ps = tensor.shape[0], ps
-        out, received = ops.synchronize(ops.alltoall_async(
-            tensor, splits=splits if splits is not None else _even_splits(tensor, ps), name=name,
-            process_set=ps))
+        if splits is None:  # checked as the plain call checks it: dim 0 divides evenly
+            out = ops.synchronize(ops.alltoall_async(tensor, name=name, process_set=ps))
+            received = torch.tensor(_even_splits(tensor, ps), dtype=torch.int32)
+        else:
+            out, received = ops.synchronize(ops.alltoall_async(tensor, splits=splits,
+                                                               name=name, process_set=ps))
         ctx.received = received
         ctx.mark_non_differentiable(received)
         return out, received

@@ -7,8 +7,14 @@ from typing import Any, List
 import numpy as np
 import torch
 
+try:
+    import cloudpickle
+except ImportError:  # optional: plain pickle then (no lambdas or local classes)
+    cloudpickle = None
+
 from . import ops, runtime
 from .errors import MpidpError
+from .process_sets import member_of
 
 
 def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
@@ -45,34 +51,59 @@ def _real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
+def _dumps(obj: Any) -> tuple:
+    """(bytes, failed): `obj` pickled with cloudpickle, as Horovod does (lambdas and local
+    classes too), or with pickle where it is missing; if that fails, the reason as bytes."""
+    try:
+        return (cloudpickle or pickle).dumps(obj), 0
+    except Exception as exc:  # noqa: BLE001 - every rank raises it below
+        return f"{type(exc).__name__}: {exc}".encode(), 1
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=None) -> Any:
-    """Return global rank `root_rank`'s `obj` (pickled) on every rank (of the set).
-    Synchronization: blocks until every rank of the set has called it."""
+    """Return global rank `root_rank`'s `obj` (pickled) on every rank (of the set); if the root
+    cannot pickle it, every rank raises MpidpError with the reason. Synchronization: blocks
+    until every rank of the set has called it."""
     name = name or "broadcast_object"
     rank = runtime.rank()
-    payload = torch.from_numpy(np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8)) \
-        if rank == root_rank else torch.empty(0, dtype=torch.uint8)
-    length = ops.synchronize(ops.broadcast_async(torch.tensor([payload.numel()]), root_rank,
-                                                 name=f"{name}.length", process_set=process_set))
+    data, failed = _dumps(obj) if rank == root_rank else (b"", 0)
+    payload = _bytes_tensor(data)
+    header = ops.synchronize(ops.broadcast_async(torch.tensor([payload.numel(), failed]),
+                                                 root_rank, name=f"{name}.length",
+                                                 process_set=process_set))
     if rank != root_rank:
-        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+        payload = torch.empty(int(header[0]), dtype=torch.uint8)
     ops.synchronize(ops.broadcast_async_(payload, root_rank, name=f"{name}.bytes",
                                          process_set=process_set))
+    if int(header[1]):
+        raise MpidpError(f"{name}: rank {root_rank} could not pickle the object: "
+                         f"{payload.numpy().tobytes().decode(errors='replace')}")
     return obj if rank == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
 def allgather_object(obj: Any, name: str = None, process_set=None) -> List[Any]:
-    """Every rank's `obj` (of the set), in rank order, on every rank of the set.
+    """Every rank's `obj` (of the set), in rank order, on every rank of the set; if a rank
+    cannot pickle its object, every rank raises MpidpError naming it and the reason.
     Synchronization: blocks until every rank of the set has called it."""
     name = name or "allgather_object"
-    data = torch.from_numpy(np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8))
-    lengths = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()]),
-                                                  name=f"{name}.length", process_set=process_set))
+    raw, failed = _dumps(obj)
+    data = _bytes_tensor(raw)
+    heads = ops.synchronize(ops.allgather_async(torch.tensor([[data.numel(), failed]]),
+                                                name=f"{name}.length", process_set=process_set))
     gathered = ops.synchronize(ops.allgather_async(data, name=f"{name}.bytes",
                                                    process_set=process_set)).numpy()
-    offsets = np.concatenate(([0], np.cumsum(lengths.numpy())))
-    return [pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
-            for i in range(len(lengths))]
+    offsets = np.concatenate(([0], np.cumsum(heads[:, 0].numpy())))
+    parts = [gathered[offsets[i]:offsets[i + 1]].tobytes() for i in range(len(heads))]
+    bad = [i for i in range(len(heads)) if int(heads[i, 1])]
+    if bad:
+        ranks = [member_of(process_set, name)[1].ranks[i] for i in bad]
+        raise MpidpError(f"{name}: rank(s) {ranks} could not pickle their object: "
+                         + "; ".join(parts[i].decode(errors="replace") for i in bad))
+    return [pickle.loads(part) for part in parts]
 
 
 def _param_names(optimizer, model) -> List[str]:

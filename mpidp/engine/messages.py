@@ -19,14 +19,15 @@ class OpType(enum.IntEnum):
 
 
 class ReduceOp(enum.IntEnum):
-    """Reduction of allreduce and reducescatter."""
+    """Reduction of allreduce and reducescatter; Horovod's values, which scripts may pass as
+    plain integers (op=3 is Min there)."""
 
     AVERAGE = 0
     SUM = 1
-    MIN = 2
-    MAX = 3
-    PRODUCT = 4
-    ADASUM = 5
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
 
 
 JOIN_NAME = "mpidp.join"  # the one name join() requests use on every rank

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mpidp
-from mpi_util import assert_all, rank, run_all, size, tensor_diff
+from mpi_util import assert_all, raises_all, rank, run_all, size, tensor_diff
 
 
 def weights(r: int, shape) -> torch.Tensor:
@@ -138,6 +138,19 @@ def test_alltoall_gradient_with_unsent_rows():
                             dtype=torch.float64)
     check_grad("alltoall with unsent rows",
                lambda t: mpidp.alltoall(t, splits=splits, name=name), x, w, expected)
+
+
+@pytest.mark.mpi
+def test_alltoall_without_splits_refuses_uneven_rows_with_grad_too():
+    """dim 0 not divisible by the size, no splits: refused as the plain call refuses it (with
+    requires_grad, each rank's last rows were dropped silently)."""
+    n = size()
+    if n == 1:
+        pytest.skip("any dim 0 divides among one rank")
+    for grad in (False, True):
+        x = torch.ones(n + 1, 1, requires_grad=grad)
+        raises_all(ValueError, mpidp.alltoall, x, name=f"uneven.{grad}",
+                   match="does not divide evenly")
 
 
 @pytest.mark.mpi

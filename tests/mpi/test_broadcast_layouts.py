@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import mpidp
-from mpi_util import assert_all, gather, run_all
+from mpi_util import assert_all, gather, raises_all, run_all
 
 
 def _conv(seed):
@@ -51,3 +51,38 @@ def test_broadcast_optimizer_state_with_complex_state():
     ok = avg.is_complex() and torch.allclose(avg, torch.full((3,), 0.1 + 0.2j,
                                                              dtype=torch.complex64))
     assert_all(ok, f"exp_avg {avg.tolist()}")
+
+
+def _make_local_class():
+    class Local:  # defined in a function: plain pickle refuses it
+        x = 7
+    return Local
+
+
+@pytest.mark.mpi
+def test_objects_are_pickled_as_horovod_does_lambdas_and_local_classes():
+    r = mpidp.rank()
+    got = run_all(mpidp.broadcast_object,
+                  {"fn": lambda v: v + 1, "cls": _make_local_class()} if r == 0 else None, 0)
+    every = run_all(mpidp.allgather_object, lambda: r)
+    ok = got["fn"](1) == 2 and got["cls"].x == 7 and [f() for f in every] == list(
+        range(mpidp.size()))
+    assert_all(ok, f"{got}, {every}")
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not today")
+
+
+@pytest.mark.mpi
+def test_an_object_one_rank_cannot_pickle_fails_every_rank_and_the_next_collective_works():
+    """The error was raised on that rank alone, and its peers waited in the collective for
+    good (a script catching it hung)."""
+    n, last = mpidp.size(), mpidp.size() - 1
+    obj = _Unpicklable() if mpidp.rank() == last else 1
+    err = raises_all(mpidp.MpidpError, mpidp.allgather_object, obj, match="could not pickle")
+    assert_all(f"[{last}]" in str(err) and "not today" in str(err), str(err))
+    raises_all(mpidp.MpidpError, mpidp.broadcast_object, obj, last, match="not today")
+    ok = run_all(mpidp.allgather_object, mpidp.rank()) == list(range(n))
+    assert_all(ok, "the next collective failed")

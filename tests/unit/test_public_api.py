@@ -62,3 +62,11 @@ def test_horovod_submodules_are_the_submodules_not_mpidp_modules():
     for sub in ("compression", "elastic", "functions", "mpi_ops", "optimizer",
                 "sync_batch_norm"):
         assert getattr(hvd, sub).__name__ == f"mpidp.torch.{sub}"
+
+
+def test_reduce_ops_are_horovods_integers():
+    """Scripts pass and store them as plain integers (horovod/common/basics.py takes them from
+    the C enum): op=3 must be Min, as there."""
+    hvd = importlib.import_module("mpidp.torch")
+    got = [int(getattr(hvd, n)) for n in ("Average", "Sum", "Adasum", "Min", "Max", "Product")]
+    assert got == [0, 1, 2, 3, 4, 5]
