@@ -1,10 +1,12 @@
 """barrier() and join(): the ops that take no tensor and hold ranks until all have called them."""
 
+from .eager import eager
 from .ops import blocking, first_result, new_entry, set_blocking, submit, synchronize
 from .process_sets import member_of
 from .engine.messages import JOIN_NAME, OpType, Request
 
 
+@eager
 def barrier(process_set=None) -> None:
     """Block until every rank (of the set) has called barrier(). Synchronization: those ranks."""
     target = member_of(process_set, "barrier")
@@ -13,6 +15,7 @@ def barrier(process_set=None) -> None:
         synchronize(submit(target, [new_entry(req, None, None)], first_result))
 
 
+@eager
 def join(device: int = -1) -> int:
     """Declare that this rank has no more data; until every rank has joined, its allreduces
     contribute zeros to the others', on the global set and on every process set it is in (a

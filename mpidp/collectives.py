@@ -4,6 +4,7 @@ import functools
 
 import torch
 
+from .eager import eager
 from . import autograd, express, op_args, ops
 from .compression import Compression
 from .ops import Average
@@ -19,7 +20,7 @@ def _blocking(fn):
             return fn(*args, **kwargs)
         finally:
             ops.set_blocking(before)
-    return call
+    return eager(call)
 
 
 def _wants_grad(tensor) -> bool:

@@ -12,11 +12,13 @@ try:
 except ImportError:  # optional: plain pickle then (no lambdas or local classes)
     cloudpickle = None
 
+from .eager import eager
 from . import ops, runtime
 from .errors import MpidpError
 from .process_sets import member_of
 
 
+@eager
 def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
     """Overwrite parameters on every rank with global rank `root_rank`'s, in place.
 
@@ -64,6 +66,7 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(bytearray(data), dtype=np.uint8))
 
 
+@eager
 def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=None) -> Any:
     """Return global rank `root_rank`'s `obj` (pickled) on every rank (of the set); if the root
     cannot pickle it, every rank raises MpidpError with the reason. Synchronization: blocks
@@ -85,6 +88,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set
     return obj if rank == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
+@eager
 def allgather_object(obj: Any, name: str = None, process_set=None) -> List[Any]:
     """Every rank's `obj` (of the set), in rank order, on every rank of the set; if a rank
     cannot pickle its object, every rank raises MpidpError naming it and the reason.
@@ -114,6 +118,7 @@ def _param_names(optimizer, model) -> List[str]:
     return [by_param.get(p, f"param.{i}") for i, p in enumerate(params)]
 
 
+@eager
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
                               process_set=None) -> None:
     """Make every rank's optimizer state equal to global rank `root_rank`'s.
@@ -175,6 +180,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     opt.load_state_dict({"state": new_state, "param_groups": layout["param_groups"]})
 
 
+@eager
 def check_replicas(model, name: str = None) -> None:
     """Raise MpidpError naming the ranks and parameters that differ from rank 0's, bitwise.
 

@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from .eager import eager
 from .op_args import (check_output, check_reduction, check_splits, check_tensor, op_name,
                       request, resolve_op, same_device)
 from .process_sets import member_of
@@ -29,12 +30,14 @@ def _allgather_entries(tensors, name, what, process_set):
     return target, entries
 
 
+@eager
 def allgather_async(tensor, name=None, process_set=None) -> int:
     """Start gathering every rank's tensor along dim 0 (dim 0 may differ); returns a handle."""
     target, entries = _allgather_entries([tensor], name, "allgather", process_set)
     return submit(target, entries, first_result)
 
 
+@eager
 def allgather_into_async(tensor, output, name=None, process_set=None) -> int:
     """Start gathering every rank's `tensor` (same shape on all) into `output`, rank r's as block
     r, in place if `tensor` is this rank's block; synchronize() returns `output`."""
@@ -46,6 +49,7 @@ def allgather_into_async(tensor, output, name=None, process_set=None) -> int:
     return submit(target, entries, first_result)
 
 
+@eager
 def grouped_allgather_async(tensors, name=None, process_set=None) -> int:
     """Start allgathers of a list, submitted atomically; synchronize() returns a list."""
     target, entries = _allgather_entries(list(tensors), name, "grouped_allgather", process_set)
@@ -76,11 +80,13 @@ def _broadcast(tensor, root_rank, name, inplace, process_set) -> int:
     return submit(target, [new_entry(req, t, out)], finish)
 
 
+@eager
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> int:
     """Start a broadcast from global rank `root_rank` into a new tensor (input untouched)."""
     return _broadcast(tensor, root_rank, name, False, process_set)
 
 
+@eager
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
     """Start an in-place broadcast from global rank `root_rank`."""
     return _broadcast(tensor, root_rank, name, True, process_set)
@@ -88,6 +94,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
 
 # ---- alltoall ----
 
+@eager
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     """Start an alltoall: rows splits[i] go to rank i (of the set). synchronize() returns the
     output, or (output, received_splits) when `splits` was given."""
@@ -134,6 +141,7 @@ def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor,
     return target, entries
 
 
+@eager
 def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
                         postscale_factor=1.0, process_set=None) -> int:
     """Start a reduce-scatter along dim 0; the first dim0 % size ranks get one extra row."""
@@ -142,6 +150,7 @@ def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
     return submit(target, entries, first_result)
 
 
+@eager
 def reducescatter_into_async(tensor, output, name=None, op=Average, process_set=None) -> int:
     """Start reducescatter_async's op with this rank's rows written into `output` (apart from
     `tensor`); synchronize() returns `output`."""
@@ -155,6 +164,7 @@ def reducescatter_into_async(tensor, output, name=None, op=Average, process_set=
     return submit(target, entries, first_result)
 
 
+@eager
 def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
                                 postscale_factor=1.0, process_set=None) -> int:
     """Reduce-scatter a list, submitted atomically; synchronize() returns a list."""

@@ -7,6 +7,7 @@ from typing import List
 
 import torch
 
+from .eager import eager
 from .waits import poll, synchronize  # noqa: F401 (mpidp.ops is where users find them)
 from .op_args import (check_reductions, check_tensors, op_name, parts_request, request,
                       resolve_op, same_device)
@@ -59,6 +60,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
     return target, [new_entry(req, checked, outs)]
 
 
+@eager
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=None) -> int:
     """Start an allreduce into a new tensor; returns a handle. No synchronization until
@@ -68,6 +70,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     return submit(target, entries, only_result)
 
 
+@eager
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=None) -> int:
     """Start an in-place allreduce of `tensor`; returns a handle (see allreduce_async)."""
@@ -80,6 +83,7 @@ def _flatten(results):
     return [t for outs in results for t in outs]
 
 
+@eager
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None) -> int:
     """Start allreduces of a list, submitted atomically; synchronize() returns a list."""
@@ -89,6 +93,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     return submit(target, entries, _flatten)
 
 
+@eager
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None) -> int:
     """In-place form of grouped_allreduce_async."""
@@ -99,6 +104,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     return submit(target, entries, lambda results: tensors)
 
 
+@eager
 def bucket_allreduce_async_(request: Request, tensors: List[torch.Tensor], process_set=None,
                             cache_key=None) -> int:
     """Start an in-place allreduce of `tensors` under a request built earlier (by

@@ -5,6 +5,7 @@ from typing import Dict
 
 import torch
 
+from .eager import eager
 from . import op_args, ops, overlap, param_layout, pass_guard, runtime, wrapped
 from .sparse import sparse_allreduce_async
 from .buckets import Bucket
@@ -126,8 +127,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
         if not self._passes:  # the step's first gradient
             self._follow_requires_grad()
         if self._in_backward and not self._end_queued:  # this backward pass's first
-            self._end_queued = True
-            pass_guard.at_backward_end(pass_guard.weak(self._backward_ended))
+            self._end_queued = pass_guard.at_backward_end(pass_guard.weak(self._backward_ended))
         count = self._passes.get(p, 0) + 1
         self._passes[p] = count
         if count < self._passes_per_step:
@@ -190,6 +190,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
 
     # ---- user-facing steps ----
 
+    @eager
     def synchronize(self) -> None:
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
         parameters without a gradient). Synchronization: blocks until every rank has

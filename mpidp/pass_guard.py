@@ -7,6 +7,8 @@ from typing import Callable, List
 
 import torch
 
+from .eager import compiling
+
 # Both refusals' remedy when the pass came from another optimizer's loss (a GAN).
 OTHER_BACKWARD = ("If the pass was another optimizer's (a GAN generator's loss reaching the "
                   "discriminator), run that backward inside `with optimizer.no_sync():` of this "
@@ -25,10 +27,15 @@ def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
         f"backward_passes_per_step=N). {OTHER_BACKWARD}")
 
 
-def at_backward_end(callback: Callable) -> None:
+def at_backward_end(callback: Callable) -> bool:
     """Call `callback` when the backward pass now running (this is called from its hooks)
-    ends, after every gradient of it has been accumulated (autograd's final callbacks)."""
+    ends, after every gradient of it has been accumulated (autograd's final callbacks). False
+    where there are none: compiled autograd traces the hooks, and has final callbacks only with
+    fullgraph=True."""
+    if compiling():
+        return False
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+    return True
 
 
 @contextlib.contextmanager

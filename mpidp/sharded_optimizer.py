@@ -20,7 +20,7 @@ from . import functions, grad_norm, ops, runtime, sharded_join, sharded_state
 from .buckets import make_buckets
 from .optimizer import DistributedOptimizer
 from .pack_pool import PackPool
-from .ops import Average
+from .ops import Average, eager
 from .process_sets import member_of
 from .shard_buffers import ShardBuffers
 from .shard_layout import Layout
@@ -78,9 +78,8 @@ class ShardedOptimizer(DistributedOptimizer):
         # Every op of this optimizer is named under one tag: a joined rank serves the tag.
         self._tag = f"mpidp.sharded.{self._buckets[0].name if self._buckets else ''}/"
         self._join = sharded_join.Rounds(self, self._ranks, self._rank, self._tag)
-        # The parameters move into one buffer per bucket (each becomes a view of its place),
-        # so this rank's shard is a view of the parameters themselves: the wrapped optimizer
-        # steps them in place and the allgather lands in place.
+        # The parameters move into one buffer per bucket (each a view of its place), so this
+        # rank's shard is a view of them: stepped in place, and the allgather lands in place.
         self._bufs = [ShardBuffers(lay, b.params[0])
                       for lay, b in zip(self._layouts, self._buckets)]
         self._shards = [buf.shard for buf in self._bufs]
@@ -147,6 +146,7 @@ class ShardedOptimizer(DistributedOptimizer):
         handle, bucket.handle = bucket.handle, None
         self._bufs[i].set_grad(ops.synchronize(handle))
 
+    @eager
     def synchronize(self) -> None:
         """Submit what the hooks have not (zeros for parameters without a gradient), then wait
         for every bucket's reduce-scatter: each shard's .grad is then its averaged gradient.

@@ -4,6 +4,7 @@ from typing import Dict
 
 import torch
 
+from .eager import eager
 from . import op_args, ops
 from .engine import scaling
 from .engine.messages import OpType
@@ -11,6 +12,7 @@ from .ops import Average, Max, Sum
 from .process_sets import member_of
 
 
+@eager
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None) -> int:
     """Start reducing a sparse COO tensor by gathering every rank's indices and values;
     synchronize() returns the coalesced sparse result (values divided by size for Average)."""

@@ -2,14 +2,17 @@
 
 from typing import Optional
 
+from .eager import eager
 from . import runtime
 
 
+@eager
 def poll(handle: int) -> bool:
     """True once the op behind `handle` has completed (synchronize() will not block)."""
     return runtime.state().handles.poll(handle)
 
 
+@eager
 def synchronize(handle: int, timeout: Optional[float] = None):
     """Wait for the op behind `handle` and return its output (a tuple for alltoall with splits,
     a list for grouped ops). Raises the op's error, the same one on every rank. With `timeout`
