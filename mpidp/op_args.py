@@ -1,5 +1,6 @@
 """Arguments of the collectives: checked tensors, reduce ops, names, splits; the requests made."""
 
+import math
 import warnings
 from typing import List, Optional
 
@@ -91,6 +92,9 @@ def resolve_op(average, op, what: str, size: Optional[int] = None) -> ReduceOp:
 
 
 def check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, what: str):
+    if not (math.isfinite(pre) and math.isfinite(post)):  # NaN != NaN: a "mismatch" otherwise
+        raise ValueError(f"{what}: prescale_factor and postscale_factor must be finite, got "
+                         f"{pre} and {post}")
     if tensor.dtype == torch.bool and op == Average:
         raise TypeError(f"{what}: Average is not defined for bool tensors; use Sum (logical or) "
                         f"or Min (logical and)")

@@ -56,11 +56,16 @@ class Handle:
         return self._result
 
 
+_IDS = itertools.count(1)
+
+
 class HandleTable:
     """Integer handles as Horovod returns them: each names the ops (Entry records) of one call."""
 
     def __init__(self):
-        self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
+        # One count for the whole process (next() on it is atomic under the GIL): a handle
+        # kept from before shutdown() and init() must not name a later op.
+        self._ids = _IDS
         self._ops: Dict[int, Tuple[List[Handle], Callable[[list], Any], Any]] = {}
 
     def register(self, members: List[Handle], finish: Callable[[list], Any], owner=None) -> int:

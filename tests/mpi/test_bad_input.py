@@ -172,6 +172,18 @@ def test_row_reducescatter_of_a_scalar(call):
     _sum_works(name)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("factor", ["prescale_factor", "postscale_factor"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_row_non_finite_scale_factor(factor, value):
+    """Refused on every rank alike (a NaN on every rank was reported as a cross-rank
+    mismatch, NaN being unequal to itself)."""
+    name = f"test_row_non_finite_scale_factor.{factor}.{value}"
+    exc = raises_all(ValueError, mpidp.allreduce, torch.ones(2), name=name, **{factor: value})
+    _words(exc, "must be finite")
+    _sum_works(name)
+
+
 # ---- row: an op a collective does not support ----
 
 @pytest.mark.mpi

@@ -110,11 +110,15 @@ def test_shutdown_then_init_again():
         mpidp.init()  # a second init() while initialised is a no-op
         if not mpidp.is_initialized():
             problems.append("is_initialized() False after init()")
+        # Handle numbers go on across inits: the old one must not name this op (it did).
+        new = mpidp.allreduce_async(torch.full((1,), 5.0), op=mpidp.Sum, name=f"{name}.new")
         try:
             mpidp.synchronize(old)
             problems.append("a handle from before shutdown() was accepted")
         except ValueError:
             pass
+        if mpidp.synchronize(new).tolist() != [5.0 * n]:
+            problems.append("the op after init() lost its result")
         problems += _smoke(f"{name}.after")
         # Names used before the restart are fresh again (the response cache starts empty).
         again = mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name=f"{name}.old")
