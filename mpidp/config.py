@@ -109,11 +109,11 @@ KNOBS: Tuple[Knob, ...] = (
          "torch's threads, where overlapping slowed training steps by 5-80 % here "
          "(BENCHMARKS.md).", must_agree=False),
     Knob("reduce_in_backward", "MPIDP_REDUCE_IN_BACKWARD", _parse_bool, True,
-         "1: a backward pass after which this rank has every gradient of DistributedOptimizer's "
-         "step returns only once they are averaged, as with DDP, so clipping, GradScaler or a "
-         "gradient hook between backward() and step() sees the averaged gradients (a rank whose "
-         "loss skipped a parameter still reduces in step()); 0: the reductions are waited for "
-         "in step() or synchronize(), as in Horovod."),
+         "1: the backward pass that ends a DistributedOptimizer step (its "
+         "backward_passes_per_step-th) returns only once every gradient is averaged, as with "
+         "DDP, so clipping, GradScaler or logging between backward() and step() see the "
+         "averaged gradients; 0: the reductions are waited for in step() or synchronize(), as "
+         "in Horovod."),
     Knob("keep_freed_memory", "MPIDP_KEEP_FREED_MEMORY", _parse_bool, True,
          "1: init() tells glibc's malloc to keep freed blocks below 256 MiB for reuse instead of "
          "giving them back and page-faulting them in again every step (Adam training steps ran "

@@ -82,6 +82,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
         self._counting, self._warned_double_sync = True, False
         # _completed: this step's gradients were reduced when its last backward pass ended.
         self._completed = self._end_queued = False
+        self._backwards = 0  # backward passes of this step that reached the parameters
         self._in_backward = self.completes_in_backward and \
             runtime.state().config.reduce_in_backward
         self._hooks = []
@@ -181,10 +182,16 @@ class DistributedOptimizer(param_layout.ParamLayout):
         bucket.start(wires, op, self._pre, post, self._process_set, keep=not sparse)
 
     def _backward_ended(self) -> None:
-        """A counted backward pass ended: if this rank has every gradient of the step, wait
-        for their reduction now, so that backward() returns with them averaged."""
+        """A backward pass that reached this optimizer's parameters ended: the step's
+        `backward_passes_per_step`-th reduces every gradient (zeros for parameters it did not
+        reach) before backward() returns, as DDP does; the count is the same on every rank
+        whatever parameters each one's loss reached. A backward nested in another (reentrant
+        checkpointing) is part of the outer one, whose end counts."""
         self._end_queued = False
-        if not self._completed and all(b.ready == len(b.params) for b in self._buckets):
+        if pass_guard.nested_backward():
+            return
+        self._backwards += 1
+        if not self._completed and self._backwards >= self._passes_per_step:
             self._reduce()
             self._completed = True
 
@@ -236,7 +243,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
             bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
             bucket.submitted, bucket.dense, bucket.sparse = False, [], []
         self._passes.clear()
-        self._completed = self._end_queued = False
+        self._completed, self._end_queued, self._backwards = False, False, 0
 
     def skip_synchronize(self):
         """Inside, step() does not synchronize (use after an explicit synchronize())."""

@@ -38,6 +38,13 @@ def at_backward_end(callback: Callable) -> bool:
     return True
 
 
+def nested_backward() -> bool:
+    """Whether the backward pass whose final callback runs now is nested in another's node (a
+    reentrant checkpoint's backward inside the outer one)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
+
+
 @contextlib.contextmanager
 def cleared(owner, flag: str):
     """`owner.flag` False inside (an optimizer's no_sync() and skip_synchronize()), True after."""

@@ -136,3 +136,69 @@ def test_a_user_hook_returning_a_value_is_named():
                      match="must return None")
     assert_all(err is not None)
     del opt
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(4, 2).double(), nn.Linear(4, 2).double()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_end", "overlapped"])
+def test_ranks_reaching_different_parameters_over_two_backward_passes(overlapping):
+    """Two backward passes per step; the first reaches head b on rank 0 only (data-dependent),
+    the second reaches b everywhere. Each pass's end reduces every gradient on every rank (zeros
+    where it reached none), so the ranks stay in step whatever their losses reach (when only
+    complete ranks reduced at the end, rank 0 reduced once more than the others: a hang)."""
+    model = _TwoHeads()
+    ref = copy.deepcopy(model)
+    opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.1), overlapping)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    n = mpidp.size()
+
+    def first(m, x, r):
+        return (m.a(x) + (m.b(x) if r == 0 else 0)).pow(2).mean()
+
+    def second(m, x):
+        return m.b(x).sin().mean()
+    for x, _ in _batches(3):
+        opt.zero_grad()
+        first(model, _mine(x), mpidp.rank()).backward()
+        second(model, _mine(x)).backward()
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        rows = [x[k * ROWS:(k + 1) * ROWS] for k in range(n)]
+        (sum(first(ref, xr, k) + second(ref, xr) for k, xr in enumerate(rows)) / n).backward()
+        ref_opt.step()
+    err = _deviation(model, ref)
+    assert_all(err < 1e-10 and _bitwise_alike(model), f"deviation {err}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant):
+    """A reentrant checkpoint runs a backward pass nested in the outer one: its end is not the
+    step's (the outer pass's is), so nothing is reduced before every gradient is there."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(),
+                          nn.Linear(6, 3)).double()
+    ref = copy.deepcopy(model)
+    opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.2), True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    for x, y in _batches(3):
+        opt.zero_grad()
+        xin = _mine(x).clone().requires_grad_(True)
+        h = checkpoint(model[:2], xin, use_reentrant=reentrant)
+        h = checkpoint(model[2:4], h, use_reentrant=reentrant)
+        F.cross_entropy(model[4](h), _mine(y)).backward()
+        reduced = opt._completed
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    err = _deviation(model, ref)
+    assert_all(err < 1e-10 and reduced and _bitwise_alike(model),
+               f"deviation {err}, reduced in backward {reduced}")
