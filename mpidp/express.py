@@ -20,7 +20,7 @@ def _prepared(tensor, name, op, pre, post, process_set, inplace, key):
     validates; None where that path must run (it raises what is wrong)."""
     global _memo_state
     state = runtime.current()
-    if state is None:
+    if state is None or state.forked:  # the general path says what is wrong
         return None
     if state is not _memo_state:
         _memo.clear()

@@ -3,6 +3,7 @@
 from typing import List, Optional
 
 from . import runtime
+from .errors import MpidpError
 
 
 class ProcessSet:
@@ -122,6 +123,11 @@ def is_outside(process_set) -> bool:
 def member_of(process_set, what: str):
     """(state, member) for an op on `process_set` (None: global); clear errors otherwise."""
     st = runtime.state()
+    if st.forked:
+        raise MpidpError(f"{what}: this process was forked from the one that called init() "
+                         f"(pid {st.pid}), as a DataLoader worker is; its MPI state is that "
+                         f"process's, so collectives run only there (rank() and size() work "
+                         f"here)")
     if isinstance(process_set, ProcessSet) and process_set.process_set_id is None:
         raise ValueError(f"{what}: {process_set!r} is not registered; add it with "
                          f"mpidp.add_process_set() (or init(process_sets=...)) on every rank "

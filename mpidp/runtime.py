@@ -26,6 +26,8 @@ class _State:
         self.sets = {0: tuple(range(comms.size))}  # every registered set: id -> world ranks
         self.members = {0: Member(0, self.sets[0], engine, comms.rank)}  # sets this rank is in
         self.parts = {}  # set id -> ids of every part of a communicator split several ways
+        self.pid = os.getpid()  # a forked child (a DataLoader worker) has its parent's state
+        self.forked = False  # set in such a child: its collectives would use the parent's MPI
         self.next_set_id = 1
         self.set_lock = threading.Lock()
         self.thread_multiple = False  # MPI runs at MPI_THREAD_MULTIPLE (set by init())
@@ -44,6 +46,14 @@ class _State:
 
 
 _state: Optional[_State] = None
+
+
+def _after_fork_in_child() -> None:
+    if _state is not None:
+        _state.forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _atexit_registered = False
 _init_lock = threading.Lock()
 

@@ -309,3 +309,19 @@ def test_allgather_of_a_transposed_column_matches_host(paths, other):
     assert col.is_contiguous() and (dims[RANK] < 2 or col.stride(-1) != 1)
     batch, entries = single("ag.col", ALLGATHER, col, first_dims=dims)
     _check(paths["host"], other, batch, entries, f"transposed column, dims {dims}")
+
+
+@pytest.mark.mpi
+def test_a_rendezvous_host_that_does_not_resolve_fails_every_rank_at_once():
+    """The other ranks retried connecting to it for minutes, with only c10d's warnings."""
+    comms = Comms(MPI.COMM_WORLD)
+    try:
+        err = ""
+        try:
+            make_backend(comms, _config(backend="gloo", rendezvous_host="no-such-host.invalid"))
+        except mpidp.MpidpError as exc:
+            err = str(exc)
+        assert_all("no-such-host.invalid" in err and "MPIDP_RENDEZVOUS_HOST" in err,
+                   f"error {err!r}")
+    finally:
+        comms.free()

@@ -335,3 +335,32 @@ def test_stall_shutdown_fails_every_rank_with_one_message():
     assert_all(all(w in msg for w in words), f"message {msg!r} lacks one of {words}")
     problems = run_all(_smoke, f"{name}.after")
     assert_all(not problems, "; ".join(problems))
+
+
+def _forked_child(queue):
+    try:
+        got = [mpidp.rank(), mpidp.size()]
+        try:
+            mpidp.allreduce(torch.ones(1), name="from_a_forked_child")
+            got.append("allreduce ran")
+        except mpidp.MpidpError as exc:
+            got.append(str(exc))
+        queue.put(got)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        queue.put([repr(exc)])
+
+
+@pytest.mark.mpi
+def test_collectives_in_a_forked_child_are_refused_clearly():
+    """A DataLoader worker (fork) calling a collective used its parent's MPI state: it talked
+    to the other ranks' workers, or hung. It is refused; rank() and size() still work."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_forked_child, args=(queue,))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(60)
+    ok = got[:2] == [mpidp.rank(), mpidp.size()] and "forked" in got[2] and child.exitcode == 0
+    assert_all(ok, f"child saw {got}, exit code {child.exitcode}")
+    run_all(mpidp.allreduce, torch.ones(1), name="after_the_fork")  # the parent goes on

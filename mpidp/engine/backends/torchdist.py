@@ -76,6 +76,8 @@ def open_group(comms, config, kind: str):
     if comms.rank == 0:
         host = config.rendezvous_host or socket.gethostname()
         try:
+            # A name that does not resolve leaves the others retrying to connect for minutes.
+            socket.getaddrinfo(host, None)
             store = dist.TCPStore(host, 0, comms.size, True, _STORE_TIMEOUT,
                                   wait_for_workers=False)
             announce = (host, store.port, "")
