@@ -39,6 +39,7 @@ def _compressed(rule, start, tensor, compression, name, op, pre, post, ps):
     return compression.decompress(out, ctx)
 
 
+@eager
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """Reduce `tensor` across ranks into a new tensor; differentiable.
@@ -59,6 +60,7 @@ def _allreduce(tensor, compression, name, op, prescale_factor, postscale_factor,
                        prescale_factor, postscale_factor, process_set)
 
 
+@eager
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
     """Reduce `tensor` in place across ranks; returns it. Synchronization: as allreduce."""

@@ -29,7 +29,8 @@ def test_collectives_inside_a_compiled_function():
         h = mpidp.allgather_async(x, name="compiled.gather")
         return y + 1, mpidp.synchronize(h)
     r, n = mpidp.rank(), mpidp.size()
-    y, g = run_all(averaged, torch.full((3,), float(r)))
+    for _ in range(3):  # a named allreduce takes the express lane from its second call on
+        y, g = run_all(averaged, torch.full((3,), float(r)))
     want = (n - 1) + 1.0
     assert_all(torch.allclose(y, torch.full((3,), want)) and g.numel() == 3 * n,
                f"{y}, {g}")
