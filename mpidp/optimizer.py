@@ -1,5 +1,6 @@
 """DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets when ready."""
 
+import itertools
 import warnings
 from typing import Dict
 
@@ -9,9 +10,13 @@ from .eager import eager
 from . import op_args, ops, overlap, param_layout, pass_guard, runtime, wrapped
 from .sparse import sparse_allreduce_async
 from .buckets import Bucket
+from .closure import reduced as reduced_closure
 from .process_sets import is_outside, member_of
 from .compression import Compression
 from .ops import Average
+
+
+_created = itertools.count()
 
 
 class DistributedOptimizer(param_layout.ParamLayout):
@@ -83,6 +88,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
         # _completed: this step's gradients were reduced when its last backward pass ended.
         self._completed = self._end_queued = False
         self._backwards = 0  # backward passes of this step that reached the parameters
+        self._seq = next(_created)  # the same on every rank: they create optimizers alike
         self._in_backward = self.completes_in_backward and \
             runtime.state().config.reduce_in_backward
         self._hooks = []
@@ -128,7 +134,8 @@ class DistributedOptimizer(param_layout.ParamLayout):
         if not self._passes:  # the step's first gradient
             self._follow_requires_grad()
         if self._in_backward and not self._end_queued:  # this backward pass's first
-            self._end_queued = pass_guard.at_backward_end(pass_guard.weak(self._backward_ended))
+            self._end_queued = pass_guard.at_backward_end(self._seq,
+                                                          pass_guard.weak(self._backward_ended))
         count = self._passes.get(p, 0) + 1
         self._passes[p] = count
         if count < self._passes_per_step:
@@ -187,8 +194,9 @@ class DistributedOptimizer(param_layout.ParamLayout):
         reach) before backward() returns, as DDP does; the count is the same on every rank
         whatever parameters each one's loss reached. A backward nested in another (reentrant
         checkpointing) is part of the outer one, whose end counts."""
-        self._end_queued = False
-        if pass_guard.nested_backward():
+        self._end_queued = pass_guard.after_outer_node(self._seq,
+                                                       pass_guard.weak(self._backward_ended))
+        if self._end_queued:  # nested: the outer pass's end counts
             return
         self._backwards += 1
         if not self._completed and self._backwards >= self._passes_per_step:
@@ -211,8 +219,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
         """Submit what is left, wait for every bucket, put the results in .grad."""
         self._follow_requires_grad()  # first: a new layout has its sparse kinds agreed anew
         if self._is_sparse.pending:
-            self._is_sparse.agree([p for b in self._buckets for p in b.params],
-                                  self._process_set)
+            self._is_sparse.agree(self._buckets, self._process_set)
         with ops.blocking():  # waited for right below: run here, not handed to the engine
             self._submit_rest()
         try:
@@ -267,25 +274,9 @@ class DistributedOptimizer(param_layout.ParamLayout):
             if closure is None or self._in_flight():
                 self.synchronize()
             if closure is not None:
-                closure = self._reduced(closure)
+                closure = reduced_closure(self, closure)
         self._synchronized = False
         return self._opt.step(closure)
-
-    def _reduced(self, closure):
-        """`closure` whose gradients and returned loss are averaged over the set."""
-        def reduced():
-            loss = closure()
-            self.synchronize()
-            self._synchronized = False  # this step's own: no "reduced a second time" later
-            if loss is None:
-                return None
-            value = torch.as_tensor(loss).detach().to(torch.float64).reshape(1)
-            avg = ops.synchronize(ops.allreduce_async(value, name="mpidp.closure_loss",
-                                                      process_set=self._process_set))
-            if isinstance(loss, torch.Tensor):
-                return avg.to(loss.dtype).reshape(loss.shape)
-            return type(loss)(avg.item())
-        return reduced
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; refuses while reductions are in flight (call step() first); the

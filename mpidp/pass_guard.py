@@ -2,8 +2,9 @@
 
 import contextlib
 import functools
+import threading
 import weakref
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import torch
 
@@ -27,22 +28,51 @@ def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
         f"backward_passes_per_step=N). {OTHER_BACKWARD}")
 
 
-def at_backward_end(callback: Callable) -> bool:
+# Graph task (a backward pass) -> (creation number, callback) of each optimizer it reached. A
+# pass that failed leaves its entries here, never to be run with another's.
+_ending: Dict[int, list] = {}
+_ending_lock = threading.Lock()
+
+
+def at_backward_end(seq: int, callback: Callable) -> bool:
     """Call `callback` when the backward pass now running (this is called from its hooks)
-    ends, after every gradient of it has been accumulated (autograd's final callbacks). False
-    where there are none: compiled autograd traces the hooks, and has final callbacks only with
-    fullgraph=True."""
+    ends, after every gradient of it has been accumulated (autograd's final callbacks). The
+    callbacks of every optimizer the pass reached run in the optimizers' creation order `seq`,
+    the same on every rank whatever order each rank's gradients came in: each waits for its
+    reductions. False where there are no final callbacks: compiled autograd traces the hooks,
+    and has them only with fullgraph=True."""
     if compiling():
         return False
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    task = _graph_task()
+    with _ending_lock:
+        _ending.setdefault(task, []).append((seq, callback))
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_end_all, task))
     return True
 
 
-def nested_backward() -> bool:
-    """Whether the backward pass whose final callback runs now is nested in another's node (a
-    reentrant checkpoint's backward inside the outer one)."""
+def _graph_task() -> int:
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else 0
+
+
+def _end_all(task: int) -> None:
+    """The first of the pass's final callbacks runs every optimizer's, in creation order."""
+    with _ending_lock:
+        ending = sorted(_ending.pop(task, ()), key=lambda item: item[0])
+    for _, callback in ending:
+        callback()
+
+
+def after_outer_node(seq: int, callback: Callable) -> bool:
+    """If the backward pass whose final callback runs now is nested in another's node (a
+    reentrant checkpoint's backward inside the outer one), have at_backward_end(seq, callback)
+    called for the outer pass once that node is done, and say True; else False."""
     current = getattr(torch._C, "_current_autograd_node", None)
-    return current is not None and current() is not None
+    node = current() if current is not None else None
+    if node is None:
+        return False
+    node.register_hook(lambda *_: at_backward_end(seq, callback) and None)
+    return True
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def step(self, optimizer, *args, **kwargs):
         """GradScaler.step; a step skipped for an inf or NaN is announced to joined ranks.
         Synchronization: unscale_()'s (if not called yet), then the optimizer's step()."""
-        if not _reduces_gradients(optimizer):
+        if not _reduces_gradients(optimizer) or not self._enabled:  # disabled: a plain step
             result = super().step(optimizer, *args, **kwargs)
         else:
             # Unscaled here even for a fused optimizer, which GradScaler.step would hand the

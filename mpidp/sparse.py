@@ -56,14 +56,17 @@ class SparseGradients:
         self.pending = not as_dense  # kinds not agreed yet
         self._dims: Dict[torch.nn.Parameter, int] = {}  # agreed sparse: its sparse_dim
 
-    def agree(self, params, process_set) -> None:
-        """Fix every parameter's kind. Synchronization: one small blocking allreduce (Max) over
-        the set; every member calls it at its first synchronize(), with `params` alike."""
+    def agree(self, buckets, process_set) -> None:
+        """Fix the kind of every parameter of `buckets`. Synchronization: one small blocking
+        allreduce (Max) over the set, named after the first bucket (unique among the live
+        optimizers); every member calls it at its first synchronize(), with `buckets` alike."""
+        params = [p for b in buckets for p in b.params]
         if params:
+            tag = buckets[0].name
             local = torch.tensor([p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse
                                   else 0 for p in params], dtype=torch.int32)
             with ops.blocking():  # waited for right below
-                handle = ops.allreduce_async(local, name="mpidp.sparse_kinds", op=Max,
+                handle = ops.allreduce_async(local, name=f"mpidp.sparse_kinds.{tag}", op=Max,
                                              process_set=process_set)
             agreed = ops.synchronize(handle).tolist()
             self._dims = {p: int(d) for p, d in zip(params, agreed) if d}

@@ -177,8 +177,9 @@ def test_ranks_reaching_different_parameters_over_two_backward_passes(overlappin
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("whole", [False, True], ids=["head_outside", "all_inside"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant):
+def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant, whole):
     """A reentrant checkpoint runs a backward pass nested in the outer one: its end is not the
     step's (the outer pass's is), so nothing is reduced before every gradient is there."""
     from torch.utils.checkpoint import checkpoint
@@ -192,8 +193,8 @@ def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant):
         opt.zero_grad()
         xin = _mine(x).clone().requires_grad_(True)
         h = checkpoint(model[:2], xin, use_reentrant=reentrant)
-        h = checkpoint(model[2:4], h, use_reentrant=reentrant)
-        F.cross_entropy(model[4](h), _mine(y)).backward()
+        h = checkpoint(model[2:] if whole else model[2:4], h, use_reentrant=reentrant)
+        F.cross_entropy(h if whole else model[4](h), _mine(y)).backward()
         reduced = opt._completed
         run_all(opt.step)
         ref_opt.zero_grad()
@@ -202,3 +203,70 @@ def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant):
     err = _deviation(model, ref)
     assert_all(err < 1e-10 and reduced and _bitwise_alike(model),
                f"deviation {err}, reduced in backward {reduced}")
+
+
+class _EmbedAndHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb = nn.Embedding(10, 4, sparse=True).double()
+        self.head = nn.Linear(4, 2).double()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlapping", [False, True], ids=["at_end", "overlapped"])
+def test_two_optimizers_whose_gradients_come_in_a_different_order_on_each_rank(overlapping):
+    """One optimizer per part (one sparse); each rank's loss reaches them in its own order.
+    The backward pass's end completes them in creation order on every rank (in the order their
+    gradients came, each rank waited for the other's first optimizer: a hang), and each one's
+    sparse kinds are agreed under its own name (the two agreements were matched across ranks)."""
+    model = _EmbedAndHead()
+    ref = copy.deepcopy(model)
+    opts = [_wrapped(m, lambda ps: torch.optim.SGD(ps, lr=0.1), overlapping)
+            for m in (model.emb, model.head)]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    n, r = mpidp.size(), mpidp.rank()
+    g = torch.Generator().manual_seed(9)
+
+    def loss(m, ids, k):
+        e = m.emb(ids).sum(0)
+        return (m.head(e).pow(2).sum() + e.sum()) if k % 2 else (e.sum() + m.head(e).pow(2).sum())
+    for _ in range(3):
+        ids = torch.randint(0, 10, (n, 3), generator=g)
+        for o in opts:
+            o.zero_grad()
+        loss(model, ids[r], r).backward()
+        for o in opts:
+            run_all(o.step)
+        ref_opt.zero_grad()
+        (sum(loss(ref, ids[k], k) for k in range(n)) / n).backward()
+        ref_opt.step()
+    err = _deviation(model, ref)
+    assert_all(err < 1e-10 and _bitwise_alike(model), f"deviation {err}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("in_backward", [True, False])
+def test_a_disabled_sharded_grad_scaler_still_reduces(in_backward):
+    """ShardedGradScaler(enabled=False) stepped inside skip_synchronize() without having
+    reduced anything: the replicas drifted apart when backward did not reduce."""
+    from test_optimizer import _reinit
+    try:
+        run_all(_reinit, reduce_in_backward=in_backward)
+        model = _model()
+        ref = copy.deepcopy(model)
+        opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.1), False)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        scaler = mpidp.ShardedGradScaler("cpu", enabled=False)
+        for x, y in _batches(2):
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(model(_mine(x)), _mine(y))).backward()
+            run_all(scaler.step, opt)
+            scaler.update()
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        err = _deviation(model, ref)
+        assert_all(err < 1e-10 and _bitwise_alike(model), f"deviation {err}")
+    finally:
+        run_all(_reinit)
