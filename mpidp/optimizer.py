@@ -121,10 +121,6 @@ class DistributedOptimizer(param_layout.ParamLayout):
             raise self._too_many_passes(p)
 
     def _hook(self, p) -> None:
-        if p not in self._bucket_of:
-            raise RuntimeError("a post-accumulate-grad hook registered before "
-                               "DistributedOptimizer's returned a value; such hooks must "
-                               "return None")
         if not self._counting:
             return
         if self._completed:
@@ -140,7 +136,11 @@ class DistributedOptimizer(param_layout.ParamLayout):
         self._passes[p] = count
         if count < self._passes_per_step:
             return
-        bucket = self._bucket_of[p]
+        bucket = self._bucket_of.get(p)
+        if bucket is None:  # torch handed on another tensor: an earlier hook returned it
+            raise RuntimeError("a post-accumulate-grad hook registered before "
+                               "DistributedOptimizer's returned a value; such hooks must "
+                               "return None")
         if count > self._passes_per_step or bucket.submitted:
             raise self._too_many_passes(p)
         bucket.ready += 1
