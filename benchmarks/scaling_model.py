@@ -13,6 +13,12 @@ As run for BENCHMARKS.md (tests/run_tcp_env.sh forces MPI onto TCP between the t
         --measured here-shm=benchmarks/results/scaling_model.alpha_beta_shm.json \
         --measured here-tcp=benchmarks/results/scaling_model.alpha_beta_tcp.json
 
+Across hosts on shaped links (BENCHMARKS.md, "Across hosts on shaped links"): the fits of
+benchmarks/multihost.py --summarize --fit-json over 3 launches at 2 hosts x 1 rank per profile
+(scaling_model.alpha_beta_<profile>.json, the same format), then
+    python benchmarks/scaling_model.py predict \
+        --measured 1gbe=benchmarks/results/scaling_model.alpha_beta_1gbe.json ...
+
 measure (np=2): the time (minimum of --repeats samples; medians are kept too) of a blocking
 float32 Sum allreduce over message sizes, through mpidp (`mpidp.allreduce`) and through raw
 mpi4py (`Allreduce(IN_PLACE)` on a Dup of COMM_WORLD), each fitted to t(n) = a + b*n by least
@@ -48,7 +54,8 @@ NVLink2, 300 GB/s both directions); InfiniBand HDR 200 Gb/s = 25 GB/s and 1.5 us
 Horovod's published figures (horovod/horovod docs/benchmarks: 128 servers x 4 Pascal GPUs,
 RoCE-capable 25 Gbit/s; 90 % scaling efficiency for Inception V3 and ResNet-101 at 512 GPUs, 68 %
 for VGG-16; an earlier version of the page: 90 % at 128 GPUs) are set beside the model's
-ResNet-101 on 25 GbE, with a compute time taken from the same page's 16-GPU figure.
+ResNet-101 on 25 GbE, with a compute time taken from the same page's 16-GPU figure, and beside
+the same ResNet-101 step on every other fabric (`beside Horovod`: 8, 64 and 512 ranks).
 """
 
 import argparse
@@ -337,6 +344,23 @@ def print_table(rows) -> None:
         print(f"| {key[0]} | {key[1]} | {' | '.join(text)} |")
 
 
+def print_beside_horovod(fabrics, compute_s, args, intra) -> None:
+    """ResNet-101 with Horovod's compute per step on every fabric at 8, 64 and 512 ranks, with
+    overlap and without, beside Horovod's published efficiency."""
+    ranks = (8, 64, 512)
+    sub = argparse.Namespace(**dict(vars(args), ranks=list(ranks)))
+    rows = predict(fabrics, {"resnet101": compute_s}, sub, intra)
+    print(f"beside Horovod: ResNet-101, {compute_s:g} s compute per step, efficiency % "
+          f"overlap (no overlap) at {', '.join(map(str, ranks))} ranks")
+    for fab in fabrics:
+        cells = {r["ranks"]: r for r in rows if r["fabric"] == fab.name}
+        text = ", ".join(f"{100 * cells[p]['eff_overlap']:.0f} "
+                         f"({100 * cells[p]['eff_no_overlap']:.0f})" for p in ranks)
+        print(f"  {fab.name:>10} ({fab.alpha * 1e6:.1f} us, {1e-9 / fab.beta:.4g} GB/s): {text}")
+    print(f"  {'Horovod':>10} published (25 GbE RoCE, Pascal GPUs): "
+          f"{', '.join(f'{v} % at {k}' for k, v in HOROVOD_PUBLISHED.items())}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -417,6 +441,7 @@ def main(argv=None) -> int:
     print_table(rows + hvd_rows)
     print(f"Horovod published (ResNet-101, Pascal GPUs, 25 GbE RoCE): "
           f"{', '.join(f'{v} % at {k}' for k, v in HOROVOD_PUBLISHED.items())} GPUs")
+    print_beside_horovod(list(fabrics.values()), hvd_compute, args, intra)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         write_csv(rows + hvd_rows, os.path.splitext(args.out)[0] + ".csv")
