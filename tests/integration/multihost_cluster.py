@@ -29,6 +29,7 @@ under CI=true).
 
 import fcntl
 import glob
+import json
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import pytest
 
+from . import netshape
 from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
 from .slurm_cluster import Unavailable, alive, apt_install, is_root, which
 from .unavailable import skip_or_fail
@@ -149,16 +151,20 @@ class Host:
         self.address = f"{SUBNET}.{index + 2}"
         self.veth = f"{PREFIX}-{name}"
         self.sshd = None                # Popen of its sshd (the listener)
+        self.profile = netshape.PROFILES["none"]   # how its link is shaped now
 
     def __repr__(self):
         return f"<{self.name} {self.address}>"
 
 
 class MultiHostCluster:
-    def __init__(self, n_hosts=2, log=None):
+    def __init__(self, n_hosts=2, log=None, profile="none"):
+        """`profile`: the links' shape from start (a name of netshape.PROFILES, a Profile, or a
+        dict of Profile fields)."""
         if not 1 <= n_hosts <= len(HOST_NAMES):
             raise ValueError(f"n_hosts must be 1..{len(HOST_NAMES)}")
         self.hosts = [Host(name, i) for i, name in enumerate(HOST_NAMES[:n_hosts])]
+        self.profile = netshape.profile(profile)
         self._log = log or (lambda msg: print(f"[multihost_cluster] {msg}", file=sys.stderr))
         self.dir = None
         self._lock = None
@@ -256,6 +262,62 @@ class MultiHostCluster:
             _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0"])
             _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
+        self.shape(self.profile)
+
+    # -- the network -----------------------------------------------------------------------------
+
+    def shape(self, spec, hosts=None):
+        """Shape the links of `hosts` (names; all by default) live: `spec` is a profile name, a
+        Profile, or a dict of fields replacing those of each host's current profile
+        ({"rate_bit_s": 1e6}). Both ends of each veth (netshape's docstring); the bridge takes
+        the smallest MTU of its ports. Packets queued in the old qdiscs are dropped."""
+        for h in self._hosts(hosts):
+            prof = netshape.profile(spec, base=h.profile)
+            netshape.shape_device(h.veth, prof)
+            netshape.shape_device("eth0", prof, netns=h.netns)
+            h.profile = prof
+        mtus = {h.profile.mtu for h in self.hosts}
+        netshape.set_mtu(BRIDGE, min(mtus))
+        if self.dir is not None:
+            (self.dir / "profiles.json").write_text(json.dumps(
+                {h.name: h.profile._asdict() for h in self.hosts}))
+        self._log("links: " + ", ".join(f"{h.name} {_describe(h.profile)}"
+                                        for h in self._hosts(hosts)))
+
+    def link_down(self, host):
+        """Cut `host` off the bridge (its veth down: both ends lose carrier)."""
+        _run(["ip", "link", "set", self.host(host).veth, "down"])
+
+    def link_up(self, host):
+        _run(["ip", "link", "set", self.host(host).veth, "up"])
+
+    def check(self, seconds=0.6, pings=200):
+        """Measure every host's link (a one-stream TCP transfer each way between the host and
+        the bridge's address, and a TCP ping-pong), and the path from the first host to each
+        other one; log and return {path: {"rate_bit_s", "rtt_s", "rtt_min_s", ...}}. Host to
+        bridge crosses one shaped device (half the profile's one-way delay each way), host to
+        host two."""
+        bridge = f"{SUBNET}.1"
+        found = {}
+        for h in self.hosts:
+            up = netshape.probe(h.netns, None, bridge, seconds, pings)
+            down = netshape.probe(None, h.netns, h.address, seconds, 0)
+            found[h.name] = dict(up, rate_bit_s=min(up["rate_bit_s"], down["rate_bit_s"]),
+                                 rate_from_bit_s=up["rate_bit_s"],
+                                 rate_to_bit_s=down["rate_bit_s"], profile=h.profile)
+        first = self.hosts[0]
+        for h in self.hosts[1:]:
+            pair = netshape.probe(first.netns, h.netns, h.address, seconds, pings)
+            found[f"{first.name}->{h.name}"] = dict(pair, profile=h.profile)
+        for path, m in found.items():
+            rates = (f"from {_gbit(m['rate_from_bit_s'])} to {_gbit(m['rate_to_bit_s'])}"
+                     if "rate_from_bit_s" in m else _gbit(m["rate_bit_s"]))
+            self._log(f"{path:14s} {rates}, RTT median {m['rtt_s'] * 1e6:.0f} us "
+                      f"(min {m['rtt_min_s'] * 1e6:.0f} us); profile {_describe(m['profile'])}")
+        return found
+
+    def _hosts(self, names):
+        return self.hosts if names is None else [self.host(n) for n in names]
 
     def _start_sshd(self, host):
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
@@ -407,22 +469,72 @@ class MultiHostCluster:
             raise ClusterError(f"still present after stop: {left}")
 
 
+def _gbit(rate):
+    return f"{rate / 1e9:.3f} Gbit/s"
+
+
+def _describe(prof):
+    if prof.rate_bit_s is None and prof.delay_s == 0 and prof.loss == 0:
+        return f"unshaped, MTU {prof.mtu}"
+    rate = "unlimited" if prof.rate_bit_s is None else _gbit(prof.rate_bit_s)
+    delay = f"{prof.delay_s * 1e6:.0f} us one way host to host"
+    if netshape.applied(prof).delay_s != prof.delay_s:
+        delay += " (not added: no netem in this kernel)"
+    return f"{rate}, {delay}, loss {prof.loss * 100:g} %, MTU {prof.mtu}"
+
+
 def threading_main():
     """signal.signal works only in the main thread."""
     return threading.current_thread() is threading.main_thread()
 
 
 
+def attach(log=print):
+    """The cluster that `up` left running (hosts, ssh directory, link profiles), not started here
+    and holding no lock; ClusterError if none is up."""
+    names = [ns[len(PREFIX) + 1:] for ns in namespaces()]
+    dirs = glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "-*"))
+    if not names or len(dirs) != 1:
+        raise ClusterError(f"no cluster is up (namespaces {names}, directories {dirs})")
+    cluster = MultiHostCluster(len(names), log=log)
+    if [h.name for h in cluster.hosts] != names:
+        raise ClusterError(f"unexpected hosts {names}")
+    cluster.dir = Path(dirs[0])
+    saved = cluster.dir / "profiles.json"
+    if saved.exists():
+        for name, fields in json.loads(saved.read_text()).items():
+            cluster.host(name).profile = netshape.Profile(**fields)
+    return cluster
+
+
 def main(argv):
-    """`python -m tests.integration.multihost_cluster up [N]` leaves N hosts running and prints
-    the environment to launch across them; `down` removes them (docs/clusters.md)."""
-    if argv[:1] == ["down"]:
+    """python -m tests.integration.multihost_cluster
+        up [N] [--profile P]   leave N hosts running, links shaped as P (netshape.PROFILES), and
+                               print the environment to launch across them
+        check                  measure each link of the running cluster (rate, round trip)
+        shape P [HOST...]      reshape the running cluster's links (all, or those named)
+        down                   remove it all
+    (docs/clusters.md)"""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m tests.integration.multihost_cluster",
+                                     usage=main.__doc__)
+    parser.add_argument("command", choices=("up", "check", "shape", "down"))
+    parser.add_argument("args", nargs="*")
+    parser.add_argument("--profile", default="none", choices=sorted(netshape.PROFILES))
+    opts = parser.parse_args(argv)
+    if opts.command == "down":
         remove_everything(print)
         return 0 if not (namespaces() or links()) else 1
-    if argv[:1] != ["up"]:
-        print(main.__doc__, file=sys.stderr)
-        return 2
-    cluster = MultiHostCluster(int(argv[1]) if len(argv) > 1 else 2, log=print)
+    if opts.command == "check":
+        attach().check()
+        return 0
+    if opts.command == "shape":
+        if not opts.args:
+            parser.error("shape needs a profile")
+        attach().shape(opts.args[0], hosts=opts.args[1:] or None)
+        return 0
+    cluster = MultiHostCluster(int(opts.args[0]) if opts.args else 2, log=print,
+                               profile=opts.profile)
     cluster.start()
     for name, value in cluster.env().items():
         if name.startswith(("HYDRA_", "UCX_")):
@@ -435,10 +547,11 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
-def started(n_hosts: int, what: str) -> "MultiHostCluster":
-    """A started cluster of `n_hosts` for a test module's fixture; skips the module (fails it
-    under CI=true) when one cannot be had here, and fails it when one does not start."""
-    cluster = MultiHostCluster(n_hosts=n_hosts)
+def started(n_hosts: int, what: str, profile="none") -> "MultiHostCluster":
+    """A started cluster of `n_hosts` (links shaped as `profile`) for a test module's fixture;
+    skips the module (fails it under CI=true) when one cannot be had here, and fails it when one
+    does not start."""
+    cluster = MultiHostCluster(n_hosts=n_hosts, profile=profile)
     try:
         cluster.start()
     except Unavailable as e:
