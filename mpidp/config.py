@@ -105,9 +105,10 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("overlap", "MPIDP_OVERLAP", _choice("auto", "0", "1"), "auto",
          "1: DistributedOptimizer starts a bucket's reduction during the backward pass, once its "
          "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
-         "parameters are on the CPU and a rank's share of the host's cores is no more than "
-         "torch's threads, where overlapping slowed training steps by 5-80 % here "
-         "(BENCHMARKS.md).", must_agree=False),
+         "parameters are on the CPU, all ranks are on one host and a rank's share of the "
+         "host's cores is no more than torch's threads, where overlapping slowed training "
+         "steps by 5-80 % here (BENCHMARKS.md). Across hosts auto is 1: the engine waits for "
+         "the network without spinning.", must_agree=False),
     Knob("reduce_in_backward", "MPIDP_REDUCE_IN_BACKWARD", _parse_bool, True,
          "1: the backward pass that ends a DistributedOptimizer step (its "
          "backward_passes_per_step-th) returns only once every gradient is averaged, as with "

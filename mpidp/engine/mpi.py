@@ -19,9 +19,16 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.
 _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.AVERAGE: MPI.LOR, ReduceOp.MAX: MPI.LOR,
              ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND}
 
-# Spin on Test() this long before sleeping: peers that are in step answer within microseconds,
-# while one sleep costs about 100 us on Linux, whatever it asks for.
-_SPIN_S = 200e-6
+# How a thread that waits for a result waits (wait() with `spin`): it tests the request and
+# yields the core between tests, as MPICH's own blocking wait does. MPICH advances a non-blocking
+# collective only inside Test(), so a collective of several rounds is paced by the gaps between
+# tests; and where ranks share cores (more ranks than cores, data-loader workers), a yield hands
+# the core to the peer this rank waits for at once, where a sleep of even 20 us costs a timer
+# wake-up and, doubled, up to a millisecond a round (issue 27: 0.8-1 ms per blocking 4 B
+# allreduce at n=3-4 on 2 cores). After _YIELD_S of yielding the wait turns to sleeps, so a
+# rank blocked on a peer that is seconds late (a straggler, a stalled rank) does not hold a core.
+_YIELD_S = 10e-3
+_POLL_EVERY_S = 1e-3          # poll()'s pace while yielding
 _SLEEP_MAX_S = 1e-3
 
 
@@ -37,18 +44,28 @@ def user_op(combine):
 
 
 def wait(request, spin: bool = True, poll=None) -> None:
-    """Complete a non-blocking MPI request: spin briefly (if `spin`), then poll with a bounded
-    back-off. Spinning pays off only when nobody on this rank needs the CPU. `poll()`, if given,
-    is called between tests once the request did not complete at once (the engine uses it to
-    wake sleeping peers it waits for)."""
+    """Complete a non-blocking MPI request. With `spin` (a thread waits for this result, so the
+    CPU is ours): test and yield between tests for up to _YIELD_S, then poll with a bounded
+    back-off. Without it (a backward pass needs the core): the back-off at once. `poll()`, if
+    given, is called between tests once the request did not complete at once (the engine uses
+    it to wake sleeping peers it waits for), at least every _POLL_EVERY_S."""
     if request.Test():
         return
     if poll is not None:
         poll()
-    end = time.perf_counter() + (_SPIN_S if spin else 0.0)
-    while time.perf_counter() < end:
-        if request.Test():
-            return
+    if spin:
+        now = time.perf_counter()
+        end, next_poll = now + _YIELD_S, now + _POLL_EVERY_S
+        while True:
+            if request.Test():
+                return
+            os.sched_yield()
+            now = time.perf_counter()
+            if now >= end:
+                break
+            if poll is not None and now >= next_poll:
+                poll()
+                next_poll = now + _POLL_EVERY_S
     delay = 20e-6
     while not request.Test():
         time.sleep(delay)
@@ -94,6 +111,11 @@ class Comms:
         # later Dup, with an old wake-up still queued for it, which must not reach a new engine.
         self.epoch = self.world.bcast(
             int.from_bytes(os.urandom(7), "little") if self.rank == 0 else None, root=0)
+
+    @property
+    def spans_hosts(self) -> bool:
+        """The ranks are on more than one node (some traffic crosses the network)."""
+        return self.local.Get_size() < self.size
 
     @property
     def homogeneous(self) -> bool:
@@ -233,26 +255,35 @@ def bcast_object(comm, obj, root: int):
 
 # ---- data path on host memory (blocking: after negotiation every rank is in step) ----
 
-def allreduce(comm, send: Optional[np.ndarray], recv: np.ndarray, op, busy=None) -> None:
+def allreduce(comm, send: Optional[np.ndarray], recv: np.ndarray, op, busy=None,
+              network: bool = False) -> None:
     """Allreduce into `recv`; `send=None` means in place.
 
     MPICH's blocking wait busy-polls a core until the peers arrive. That is fastest when a user
     thread waits for the result, but during a backward pass the spin takes a core from the
     gradients still being computed (and from the other ranks' on a full node). So unless
-    `busy()` says a user waits, test and yield the core between tests, switching to the
-    blocking wait as soon as `busy()` turns true. Always non-blocking: MPI does not match a
-    blocking collective with a non-blocking one, and ranks may decide differently; here
-    Iallreduce + Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md).
+    `busy()` says a user waits, the wait gives the core away between tests, switching to the
+    blocking wait as soon as `busy()` turns true: with `network` (the ranks span hosts, so the
+    network, not this core, moves the bytes: a test now and then keeps the link full) it sleeps
+    between tests with a bounded back-off; on one host, where MPI copies through shared memory
+    only inside its tests, it yields. Always non-blocking: MPI does not match a blocking
+    collective with a non-blocking one, and ranks may decide differently; here Iallreduce +
+    Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md).
     """
     request = comm.Iallreduce(MPI.IN_PLACE if send is None else send, recv, op=op)
     if busy is None or busy():
         request.Wait()
         return
+    delay = 20e-6
     while not request.Test():
         if busy():
             request.Wait()
             return
-        os.sched_yield()
+        if network:
+            time.sleep(delay)
+            delay = min(delay * 2, _SLEEP_MAX_S)
+        else:
+            os.sched_yield()
 
 
 def allgatherv(comm, send: np.ndarray, recv: np.ndarray, counts) -> None:

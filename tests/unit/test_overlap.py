@@ -1,4 +1,5 @@
-"""overlap.decide: the knob, and auto's rule (device parameters, cores per rank vs threads)."""
+"""overlap.decide: the knob, and auto's rule (device parameters, ranks across hosts, cores per
+rank vs threads)."""
 
 from types import SimpleNamespace
 
@@ -8,8 +9,9 @@ import torch
 from mpidp import overlap
 
 
-def _state(setting, local_size):
-    return SimpleNamespace(config=SimpleNamespace(overlap=setting), local_size=local_size)
+def _state(setting, local_size, size=None):
+    return SimpleNamespace(config=SimpleNamespace(overlap=setting), local_size=local_size,
+                           size=local_size if size is None else size)
 
 
 @pytest.mark.parametrize("setting, expected", [("1", True), ("0", False)])
@@ -35,3 +37,14 @@ def test_auto_overlaps_parameters_on_a_device(monkeypatch):
     monkeypatch.setattr(overlap, "host_cores", lambda: 1)
     meta = torch.zeros(1, device="meta")
     assert overlap.decide(_state("auto", 8), [torch.zeros(1), meta]) is True
+
+
+@pytest.mark.parametrize("local_size, size, expected", [
+    (2, 2, False),   # one full host: reductions are the CPU's memory copies
+    (2, 4, True),    # two hosts of two ranks: the network moves the bytes
+    (1, 2, True),
+])
+def test_auto_overlaps_on_full_hosts_only_across_hosts(monkeypatch, local_size, size, expected):
+    monkeypatch.setattr(overlap, "host_cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert overlap.decide(_state("auto", local_size, size), [torch.zeros(1)]) is expected

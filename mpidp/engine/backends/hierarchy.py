@@ -32,11 +32,12 @@ def usable(comms, config) -> bool:
     return True
 
 
-def allreduce(comms, send, recv, op, busy=None) -> None:
+def allreduce(comms, send, recv, op, busy=None, network: bool = False) -> None:
     """Allreduce flat buffers (`send=None`: in place) over the node hierarchy.
 
     Synchronization: collectives on comms.local, comms.cross and comms.local again (and on
-    comms.world for the tail).
+    comms.world for the tail). The cross-node allreduce, the part that waits on the network,
+    is paced by `busy` and `network` as mpi.allreduce says; the node's own parts are blocking.
     """
     local = comms.local
     lsize = local.Get_size()
@@ -47,7 +48,7 @@ def allreduce(comms, send, recv, op, busy=None) -> None:
         part = (recv.new_empty(block) if isinstance(recv, torch.Tensor)
                 else np.empty(block, dtype=recv.dtype))
         mpi.reduce_scatter_block(local, (recv if send is None else send)[:main], part, op)
-        mpi.allreduce(comms.cross, None, part, op)
+        mpi.allreduce(comms.cross, None, part, op, busy, network)
         mpi.allgather(local, part, recv[:main])
     if main < n:  # fewer than local_size elements left: one small flat allreduce
         mpi.allreduce(comms.world, None if send is None else send[main:], recv[main:], op)

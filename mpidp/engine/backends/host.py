@@ -57,6 +57,7 @@ class HostBackend:
         self._fusion = parts.FusionBuffers()
         self._planner = fusion.PartPlanner()
         self.hierarchical = hierarchy.usable(comms, config)
+        self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
         self.stats = None  # set by the engine: its EngineStats (wire_bytes is counted here)
@@ -101,7 +102,7 @@ class HostBackend:
             else (mpi.allreduce, self.comm)
         n = recv.size
         if step <= 0 or n <= step:
-            call(comm, send, recv, op, self.busy)
+            call(comm, send, recv, op, self.busy, self.network)
             if post != 1.0:
                 scaling.scale_(out, post)
             return
@@ -109,7 +110,8 @@ class HostBackend:
             out = out.view(-1)  # the chunks below are flat slices
         for lo in range(0, n, step):
             hi = lo + step
-            call(comm, None if send is None else send[lo:hi], recv[lo:hi], op, self.busy)
+            call(comm, None if send is None else send[lo:hi], recv[lo:hi], op, self.busy,
+                 self.network)
             if post != 1.0:
                 scaling.scale_(out[lo:hi], post)
 
