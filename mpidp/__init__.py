@@ -4,9 +4,9 @@ from .collectives import (allgather, allreduce, allreduce_, alltoall, broadcast,
                           grouped_allgather, grouped_allreduce, grouped_allreduce_,
                           grouped_reducescatter, reducescatter)
 from .compression import Compression
-from .errors import (CheckpointError, CheckpointNotFoundError, CollectiveError, ConfigError,
-                     EngineShutdownError, HorovodInternalError, MismatchError, MpidpError,
-                     NotInitializedError, OpTimeoutError)
+from .errors import (ArgumentError, CheckpointError, CheckpointNotFoundError, CollectiveError,
+                     ConfigError, EngineShutdownError, HorovodInternalError, MismatchError,
+                     MpidpError, NotInitializedError, OpTimeoutError)
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters, check_replicas)
 from .observe import start_timeline, stats, stats_window, stop_timeline
@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 # names only, never mpidp's modules (runtime, log, engine); docs/api.md lists the same names
 # and tests/unit/test_public_api.py holds the two together.
 __all__ = [
-    "Adasum", "Average", "CheckpointError", "CheckpointNotFoundError", "CollectiveError",
-    "Compression", "ConfigError", "DistributedOptimizer", "EngineShutdownError",
+    "Adasum", "ArgumentError", "Average", "CheckpointError", "CheckpointNotFoundError",
+    "CollectiveError", "Compression", "ConfigError", "DistributedOptimizer", "EngineShutdownError",
     "HorovodInternalError", "Max", "Min", "MismatchError", "MpidpError", "NotInitializedError",
     "OpTimeoutError", "ProcessSet", "Product", "ShardedGradScaler", "ShardedOptimizer", "Sum",
     "SyncBatchNorm", "add_process_set",

@@ -2,7 +2,7 @@
 
 import torch
 
-from . import ops, runtime
+from . import gather_ops, ops, runtime
 from .ops import Average, Sum
 from .process_sets import member_of
 
@@ -61,12 +61,10 @@ class Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, ps):
         ctx.dim0, ctx.ps = tensor.shape[0], ps
-        if splits is None:  # checked as the plain call checks it: dim 0 divides evenly
-            out = ops.synchronize(ops.alltoall_async(tensor, name=name, process_set=ps))
-            received = torch.tensor(_even_splits(tensor, ps), dtype=torch.int32)
-        else:
-            out, received = ops.synchronize(ops.alltoall_async(tensor, splits=splits,
-                                                               name=name, process_set=ps))
+        # Without splits too, what each rank received (its peers' dim 0 / size each, which
+        # differ when ranks hold different row counts) is what the gradient sends back.
+        out, received = ops.synchronize(gather_ops.alltoall_received_async(
+            tensor, splits=splits, name=name, process_set=ps))
         ctx.received = received
         ctx.mark_non_differentiable(received)
         return out, received
@@ -124,11 +122,6 @@ def _rank(ps) -> int:
 
 def _size(ps) -> int:
     return member_of(ps, "collective")[1].size
-
-
-def _even_splits(tensor, ps):
-    n = _size(ps)
-    return [tensor.shape[0] // n] * n
 
 
 class GroupedAllgather(torch.autograd.Function):

@@ -13,6 +13,14 @@ class NotInitializedError(MpidpError, ValueError):
     """mpidp was used before init() or after shutdown()."""
 
 
+class ArgumentError(MpidpError, ValueError):
+    """An argument Horovod refuses with RuntimeError, refused before enqueue; catchable as both.
+
+    A ValueError, as mpidp's other argument errors, and a RuntimeError, as Horovod scripts
+    catch it: reducescatter with a reduce op other than Average or Sum, a scalar to scatter,
+    a grouped op whose tensors are on different kinds of device."""
+
+
 class CollectiveError(MpidpError):
     """A collective failed on every rank: a cross-rank mismatch or an engine failure."""
 

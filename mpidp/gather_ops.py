@@ -9,6 +9,7 @@ from .op_args import (check_output, check_reduction, check_splits, check_tensor,
 from .process_sets import member_of
 from .submission import first_result, new_entry, submit
 from .engine.messages import OpType, ReduceOp
+from .errors import ArgumentError
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -98,12 +99,20 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> int:
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
     """Start an alltoall: rows splits[i] go to rank i (of the set). synchronize() returns the
     output, or (output, received_splits) when `splits` was given."""
+    return alltoall_received_async(tensor, splits, name, process_set, splits is not None)
+
+
+def alltoall_received_async(tensor, splits=None, name=None, process_set=None,
+                            received: bool = True) -> int:
+    """alltoall_async whose synchronize() returns (output, received_splits) even without
+    `splits` (the gradient sends back what each rank received, which differs from what it
+    sent when ranks hold different row counts); `received=False`: the output alone."""
     what = "alltoall"
     target = member_of(process_set, what)
     base, cacheable = op_name(name, what)
     t = check_tensor(tensor, f"{what} {base!r}", False)
     if t.dim() == 0:
-        raise ValueError(f"{what} {base!r}: needs at least one dimension to split")
+        raise ArgumentError(f"{what} {base!r}: needs at least one dimension to split")
     size = target[1].size
     arr = None
     if splits is not None:
@@ -112,7 +121,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None) -> int:
         raise ValueError(f"{what} {base!r}: dim 0 ({t.shape[0]}) does not divide evenly among "
                          f"{size} ranks; pass splits=")
     req = request(base, cacheable, OpType.ALLTOALL, t)
-    finish = first_result if splits is not None else (lambda results: results[0][0])
+    finish = first_result if received else (lambda results: results[0][0])
     return submit(target, [new_entry(req, t, None, arr)], finish)
 
 
@@ -123,16 +132,16 @@ def _reducescatter_entries(tensors, name, op, prescale_factor, postscale_factor,
     target = member_of(process_set, what)
     reduce_op = resolve_op(None, op, what)
     if reduce_op not in (Average, Sum):
-        raise ValueError(f"{what}: reduce op {reduce_op.name.capitalize()} is not supported; "
-                         f"use mpidp.Average or mpidp.Sum")
+        raise ArgumentError(f"{what}: reduce op {reduce_op.name.capitalize()} is not "
+                            f"supported; use mpidp.Average or mpidp.Sum")
     base, cacheable = op_name(name, what)
     entries = []
     for i, tensor in enumerate(tensors):
         label = base if what == "reducescatter" else f"{base}.{i}"
         t = check_tensor(tensor, f"{what} {label!r}", False)
         if t.dim() == 0:
-            raise ValueError(f"{what} {label!r}: cannot scatter a scalar; give a tensor with "
-                             f"at least one dimension")
+            raise ArgumentError(f"{what} {label!r}: cannot scatter a scalar; give a tensor "
+                                f"with at least one dimension")
         check_reduction(t, reduce_op, prescale_factor, postscale_factor, f"{what} {label!r}")
         req = request(label, cacheable, OpType.REDUCESCATTER, t, reduce_op, prescale_factor,
                        postscale_factor)

@@ -10,6 +10,7 @@ import torch
 from .engine.dtypes import NAMES as _DTYPE_NAMES
 from .engine.messages import OpType, ReduceOp, Request
 from .engine.tensor_queue import is_block
+from .errors import ArgumentError
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -59,9 +60,9 @@ def same_device(tensors: List[torch.Tensor], what: str) -> None:
     kinds = [t.device.type for t in tensors]
     if len(set(kinds)) > 1:
         odd = next(i for i, k in enumerate(kinds) if k != kinds[0])
-        raise ValueError(f"{what}: tensor {odd} is on {tensors[odd].device} but tensor 0 is on "
-                         f"{tensors[0].device}; a grouped op needs all its tensors on one kind of "
-                         f"device (move them with .cpu() or .cuda() first)")
+        raise ArgumentError(f"{what}: tensor {odd} is on {tensors[odd].device} but tensor 0 is "
+                            f"on {tensors[0].device}; a grouped op needs all its tensors on one "
+                            f"kind of device (move them with .cpu() or .cuda() first)")
 
 
 def resolve_op(average, op, what: str, size: Optional[int] = None) -> ReduceOp:

@@ -8,6 +8,7 @@ from .eager import eager
 from . import op_args, ops
 from .engine import scaling
 from .engine.messages import OpType
+from .errors import ArgumentError
 from .ops import Average, Max, Sum
 from .process_sets import member_of
 
@@ -22,8 +23,8 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None) -> i
         raise TypeError(f"{what}: expected a sparse COO tensor; use allreduce for dense ones")
     reduce_op = op_args.resolve_op(None, op, what)
     if reduce_op not in (Average, Sum):
-        raise ValueError(f"{what}: only Average and Sum are supported, not "
-                         f"{reduce_op.name.capitalize()}")
+        raise ArgumentError(f"{what}: only Average and Sum are supported, not "
+                            f"{reduce_op.name.capitalize()}")
     base, cacheable = op_args.op_name(name, what)
     t = tensor.detach().coalesce()
     indices = t.indices().t().contiguous()   # (nnz, sparse_dims): gathered along dim 0

@@ -140,6 +140,24 @@ def test_alltoall_gradient_with_unsent_rows():
                lambda t: mpidp.alltoall(t, splits=splits, name=name), x, w, expected)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.mpi
+def test_alltoall_gradient_without_splits_when_ranks_hold_different_row_counts():
+    """No splits, dim 0 divisible on each rank but different per rank (rank r holds (r + 1) * n
+    rows, r + 1 to each peer): the gradient goes back as each rank received, not as it sent."""
+    name = "test_alltoall_gradient_without_splits_uneven_ranks"
+    r, n = rank(), size()
+    sent = [r + 1] * n
+    x = torch.tensor([[float(j)] for j in range(n) for _ in range(sent[j])],
+                     dtype=torch.float64)
+    w = torch.tensor([[_code(j, r, k)] for j in range(n) for k in range(j + 1)],
+                     dtype=torch.float64)
+    expected = torch.tensor([[_code(r, j, k)] for j in range(n) for k in range(sent[j])],
+                            dtype=torch.float64)
+    check_grad("alltoall without splits, rows differing per rank",
+               lambda t: mpidp.alltoall(t, name=name), x, w, expected)
+
+
 @pytest.mark.mpi
 def test_alltoall_without_splits_refuses_uneven_rows_with_grad_too():
     """dim 0 not divisible by the size, no splits: refused as the plain call refuses it (with

@@ -221,6 +221,35 @@ def test_row_unsupported_reduce_op(case):
     _sum_works(name)
 
 
+# ---- row: what Horovod refuses with RuntimeError is a RuntimeError here too ----
+
+@pytest.mark.timeout(60)
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["reducescatter Adasum", "reducescatter Max",
+                                  "reducescatter of a scalar", "grouped_reducescatter of a scalar",
+                                  "alltoall of a scalar", "sparse_allreduce Max"])
+def test_row_horovod_runtime_errors_are_both(case):
+    """Horovod scripts catch these as RuntimeError (Horovod's tests do), mpidp's callers as
+    ValueError: the one exception is both, and mpidp.ArgumentError."""
+    name = f"test_row_horovod_runtime_errors.{case.replace(' ', '_')}"
+    n = size()
+    cases = {
+        "reducescatter Adasum": lambda: mpidp.reducescatter(torch.ones(n), op=mpidp.Adasum,
+                                                            name=name),
+        "reducescatter Max": lambda: mpidp.reducescatter(torch.ones(n), op=mpidp.Max, name=name),
+        "reducescatter of a scalar": lambda: mpidp.reducescatter(torch.tensor(1.0), name=name),
+        "grouped_reducescatter of a scalar": lambda: mpidp.grouped_reducescatter(
+            [torch.ones(n), torch.tensor(1.0)], name=name),
+        "alltoall of a scalar": lambda: mpidp.alltoall(torch.tensor(1.0), name=name),
+        "sparse_allreduce Max": lambda: mpidp.sparse_allreduce_async(
+            torch.eye(2).to_sparse(), op=mpidp.Max, name=name),
+    }
+    exc = raises_all(RuntimeError, cases[case])
+    assert_all(isinstance(exc, ValueError) and isinstance(exc, mpidp.ArgumentError),
+               f"{type(exc).__mro__} is not a ValueError and mpidp.ArgumentError")
+    _sum_works(name)
+
+
 # ---- row: use before init() and after shutdown() ----
 
 _BEFORE_INIT = """
