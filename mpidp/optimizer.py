@@ -267,9 +267,11 @@ class DistributedOptimizer(param_layout.ParamLayout):
         synchronize()'s, and one allreduce of the loss per call of the closure."""
         if self._should_sync:
             if self._synchronized and not self._in_flight() and not self._warned_double_sync:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "`with optimizer.skip_synchronize():`; gradients are reduced a "
-                              "second time", UserWarning, stacklevel=2)
+                # Horovod's words first: scripts and tests match on them.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): gradients are reduced a second "
+                              "time; step inside `with optimizer.skip_synchronize():`",
+                              UserWarning, stacklevel=2)
                 self._warned_double_sync = True
             if closure is None or self._in_flight():
                 self.synchronize()
