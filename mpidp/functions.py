@@ -126,10 +126,11 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     Broadcasts the state itself, never a dummy step (which would move weights under weight
     decay and advance Adam's step count): tensor state travels as tensors, scalar state and
     every param-group option keep their Python types. `model`, if given, names the tensors
-    after its parameters (clearer errors). For a ShardedOptimizer, whose state is each rank's
-    own shard, only the param groups' options are copied. `process_set` (default: global) holds
-    the ranks that take part; `root_rank` is a global rank. Synchronization: blocks on every
-    rank of that set.
+    after its parameters (clearer errors). On a fresh optimizer (no state yet on this rank) the
+    parameters that require a gradient and have none get zeros, as Horovod's step leaves them.
+    For a ShardedOptimizer, whose state is each rank's own shard, only the param groups'
+    options are copied. `process_set` (default: global) holds the ranks that take part;
+    `root_rank` is a global rank. Synchronization: blocks on every rank of that set.
     """
     opt = getattr(optimizer, "_opt", optimizer)
     if getattr(optimizer, "is_sharded", False):
@@ -143,6 +144,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
         return
     names = _param_names(opt, model)
     state = opt.state_dict()
+    fresh = not state["state"]
     rank = runtime.rank()
     layout = None
     if rank == root_rank:
@@ -178,6 +180,21 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     for handle in handles:
         ops.synchronize(handle)
     opt.load_state_dict({"state": new_state, "param_groups": layout["param_groups"]})
+    if fresh:
+        _zero_missing_grads(opt)
+
+
+def _zero_missing_grads(opt) -> None:
+    """Give a zero gradient to each parameter of `opt` that requires one and has none: Horovod
+    initialises a fresh optimizer's state with a step on zero gradients and leaves them, and
+    scripts read them before their first backward pass. SparseAdam takes only sparse ones (in
+    dim 0, as nn.Embedding makes them, so that a backward pass adds to them)."""
+    sparse = isinstance(opt, torch.optim.SparseAdam)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros_like(p)
+                p.grad = zeros.to_sparse(1) if sparse else zeros
 
 
 @eager

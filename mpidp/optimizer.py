@@ -152,7 +152,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
             # Ranks whose loss did not touch p still contribute (zeros), so no rank waits.
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
-            p.grad = p.grad.to_dense()  # sparse_as_dense
+            self._is_sparse.densify(p)  # sparse_as_dense, or a parameter agreed dense
         # A complex gradient is reduced as its real and imaginary parts (a view, as DDP does).
         return torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
 
@@ -218,10 +218,13 @@ class DistributedOptimizer(param_layout.ParamLayout):
     def _reduce(self) -> None:
         """Submit what is left, wait for every bucket, put the results in .grad."""
         self._follow_requires_grad()  # first: a new layout has its sparse kinds agreed anew
-        if self._is_sparse.pending:
-            self._is_sparse.agree(self._buckets, self._process_set)
+        kinds = self._is_sparse
+        if kinds.pending and not kinds.as_dense:  # they decide how buckets are submitted
+            kinds.agree(self._buckets, self._process_set)
         with ops.blocking():  # waited for right below: run here, not handed to the engine
             self._submit_rest()
+        if kinds.pending:  # sparse_as_dense: from the layouts every gradient had before
+            kinds.agree(self._buckets, self._process_set)
         try:
             for bucket in self._buckets:
                 handle, bucket.handle = bucket.handle, None
@@ -231,6 +234,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
                     if ctx is not None or wire is not p.grad:
                         out = self._compression.decompress(wire, ctx)
                         p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
+                    kinds.restore(p)  # the layout the wrapped optimizer takes
                 for p, sparse_handle in bucket.sparse:
                     p.grad = ops.synchronize(sparse_handle)
         except BaseException:

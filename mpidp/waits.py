@@ -25,3 +25,16 @@ def synchronize(handle: int, timeout: Optional[float] = None):
         if timeout is None:  # a driving thread cannot give up half-way through a cycle
             engine.drive(state.handles.members(handle))
         return state.handles.wait(handle, timeout)
+
+
+class CallableHandle(int):
+    """A handle that is also Horovod's callable: `handle()` is `synchronize(handle)`.
+
+    Horovod's sparse_allreduce_async returns a function that waits and returns the result, and
+    scripts call it; an int underneath, so poll() and synchronize() take it as any handle."""
+
+    __slots__ = ()
+
+    def __call__(self):
+        """Wait for the op and return its output. Synchronization: synchronize()'s."""
+        return synchronize(self)

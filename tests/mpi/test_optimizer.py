@@ -445,6 +445,104 @@ def test_sparse_gradients_as_dense_and_sparse_allreduce():
     assert_all(out.is_sparse and torch.equal(out.to_dense(), expected), str(out))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.mpi
+def test_sparse_allreduce_handle_is_callable_as_in_horovod():
+    """Horovod's sparse_allreduce_async returns a function scripts call; poll() and
+    synchronize() still take the handle."""
+    r, n = mpidp.rank(), mpidp.size()
+    sparse = torch.sparse_coo_tensor([[r % 10]], torch.tensor([[1.0, 2.0]]), (10, 2),
+                                     check_invariants=True)
+    expected = torch.zeros(10, 2)
+    for i in range(n):
+        expected[i % 10] += torch.tensor([1.0, 2.0]) / n
+
+    def called():
+        handle = mpidp.sparse_allreduce_async(sparse, name="sparse.called", op=mpidp.Average)
+        return handle()
+    out = run_all(called)
+    assert_all(out.is_sparse and torch.allclose(out.to_dense(), expected), str(out))
+
+    def synchronized():
+        handle = mpidp.sparse_allreduce_async(sparse, name="sparse.synchronized")
+        while not mpidp.poll(handle):
+            time.sleep(0.001)
+        return mpidp.synchronize(handle)
+    out = run_all(synchronized)
+    assert_all(out.is_sparse and torch.allclose(out.to_dense(), expected), str(out))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.mpi
+def test_sparse_adam_with_sparse_as_dense_gets_sparse_gradients():
+    """SparseAdam takes only sparse gradients: with sparse_as_dense the reduced (dense)
+    gradient is handed back sparse, on every rank, a rank whose loss missed an embedding
+    included; the result equals one process's SparseAdam on the whole batch."""
+    r, n = mpidp.rank(), mpidp.size()
+    torch.manual_seed(3)
+    model = nn.ModuleDict({"a": nn.Embedding(12, 3, sparse=True),
+                           "b": nn.Embedding(12, 3, sparse=True)}).double()
+    ref = copy.deepcopy(model)
+    opt = mpidp.DistributedOptimizer(torch.optim.SparseAdam(list(model.parameters()), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     sparse_as_dense=True)
+    ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
+
+    def loss_of(m, k, step):
+        ids = torch.tensor([(3 * k + step) % 12, (5 * k + 2 * step + 1) % 12])
+        loss = (m["b"](ids) * (k + 1)).sum()
+        if k != n - 1 or n == 1:  # the last rank's loss does not reach embedding a
+            loss = loss + (m["a"](ids) ** 2).sum()
+        return loss
+
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, r, step).backward()
+        run_all(opt.step)
+        ref_opt.zero_grad()
+        (sum(loss_of(ref, k, step) for k in range(n)) / n).backward()
+        ref_opt.step()
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
+                                                         ref.parameters()))
+    assert_all(err < 1e-10, f"deviation from one process's SparseAdam {err}")
+    _assert_replicas_bitwise(model, "sparse_as_dense SparseAdam")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["adam", "sparse_adam"])
+def test_broadcast_optimizer_state_leaves_zero_grads_on_a_fresh_optimizer(kind):
+    """Horovod's dummy step leaves zero .grad on every parameter that requires one; mpidp
+    matches it without the step: weights and state do not change."""
+    torch.manual_seed(4)
+    if kind == "adam":
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    else:
+        model = nn.Embedding(6, 2, sparse=True).double()
+        opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    frozen = nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False)
+    if kind == "adam":
+        opt.add_param_group({"params": [frozen]})
+    before = [p.detach().clone() for p in model.parameters()]
+    run_all(mpidp.broadcast_optimizer_state, opt, 0)
+    grads = [p.grad for p in model.parameters()]
+    zero = all(g is not None and g.shape == p.shape and not g.to_dense().any()
+               and g.is_sparse == (kind == "sparse_adam")
+               for g, p in zip(grads, model.parameters()))
+    assert_all(zero, f"{kind}: grads after broadcast_optimizer_state {grads}")
+    assert_all(frozen.grad is None, "a frozen parameter got a gradient")
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert_all(unchanged and not opt.state_dict()["state"],
+               f"{kind}: weights moved or state was made (a step was taken)")
+
+    def train_step():  # the zero gradients take the first backward pass's, sparse ones too
+        x = torch.tensor([[1, 2]]) if kind == "sparse_adam" else torch.ones(1, 5).double()
+        model(x).sum().backward()
+        opt.step()
+    run_all(train_step)
+
+
 @pytest.mark.mpi
 def test_objects_and_check_replicas():
     r = mpidp.rank()
