@@ -23,6 +23,7 @@ import torch
 
 from . import functions, ops, runtime, sharded_scaler
 from .errors import MpidpError
+from .log import logger
 from .ops import Sum
 
 # Name prefixes of the scalar allreduces that clipping and the grad scaler share among optimizers.
@@ -67,6 +68,20 @@ class Rounds:
         self.registry.latest = self.ref
         self.current = self.flags.tolist()
         self.joined = tuple(r for r, f in zip(self.ranks, self.current) if f)
+
+    def settle(self) -> None:
+        """After a failed step: wait for this round's flags, if submitted, and drop them, so
+        that the next step starts a round of its own (collecting this one there put every rank
+        a round behind, and a rank joining then waited for an announcement nobody made).
+        Synchronization: the flag allreduce, which every rank of the set submitted with the
+        step's first bucket. Its own error is logged, not raised: the step's is the one."""
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return
+        try:
+            ops.synchronize(handle)
+        except Exception as exc:  # noqa: BLE001 - the step's failure is the one raised
+            logger.debug("join flags of a failed step: %s", exc)
 
     def announce(self, code: str, *args) -> None:
         """On the ranks still training, while some rank is joined: tell the joined ranks the

@@ -165,6 +165,7 @@ class ShardedOptimizer(DistributedOptimizer):
                     self._collect(i)
             self._join.collect()
         finally:
+            self._join.settle()  # a failed step's flags: now, not as the next step's round
             self._end_step()
             self._pool.release_all()
         self._reduced = True
@@ -259,8 +260,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if to not in self._ranks:
             raise ValueError(f"ShardedOptimizer.consolidate_state_dict: rank {to} is not in the "
                              f"optimizer's process set (ranks {list(self._ranks)})")
-        parts = functions.allgather_object(self.sharded_state_dict(),
-                                           name="mpidp.consolidate",
+        parts = functions.allgather_object(self.sharded_state_dict(), name="mpidp.consolidate",
                                            process_set=self._process_set)
         self._consolidated = sharded_state.assemble(parts) if runtime.rank() == to else None
 
