@@ -1,6 +1,8 @@
 """keep_freed_memory: glibc's malloc keeps freed blocks, so a step's large tensors stop
 page-faulting in again; left alone where the user set malloc's thresholds."""
 
+import ctypes
+import json
 import platform
 import subprocess
 import sys
@@ -11,35 +13,54 @@ from mpidp import malloc_reuse
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-# In a fresh process: the page faults of the last of five rounds that each allocate, touch and
-# free 100 MB and 60 MB (what a training step does with its large tensors).
+# In a fresh process: five rounds that each allocate, touch and free 100 MB and 60 MB (what a
+# training step does with its large tensors), read through glibc's own accounting (mallinfo2):
+# per round, the bytes held in mmapped blocks while both are allocated, beyond those before,
+# and the heap's size once they are freed. Counting page faults instead measured the host too:
+# under load (NUMA balancing, reclaim) pages that were kept faulted in again (4882 faults once).
 CHURN = """
-import resource, sys, torch
+import ctypes, json, sys, torch
 from mpidp import malloc_reuse
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+info = ctypes.CDLL(None).mallinfo2
+info.restype = Info
 if sys.argv[1] == "1":
     assert malloc_reuse.keep_freed_memory()
+rounds = []
 for i in range(5):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    mapped = info().hblkhd
     a = torch.empty(25_000_000).fill_(1.0)
     b = torch.empty(15_000_000).fill_(2.0)
+    mapped_while_held = info().hblkhd - mapped
     del a, b
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    rounds.append((mapped_while_held, info().arena))
+print(json.dumps(rounds))
 """
+MB = 1_000_000
 
 
-def _faults(keep: str) -> int:
+def _rounds(keep: str):
     out = subprocess.run([sys.executable, "-c", CHURN, keep], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     assert out.returncode == 0, out.stderr
-    return int(out.stdout.split()[-1])
+    return json.loads(out.stdout.split("\n")[-2])
 
 
-@pytest.mark.skipif(not GLIBC, reason="needs glibc's malloc")
-def test_freed_blocks_are_reused_instead_of_faulted_in_again():
-    left, kept = _faults("0"), _faults("1")
-    # 160 MB is about 39 000 pages: glibc's defaults map and unmap both blocks every round.
-    assert left > 30_000, f"{left} page faults in the last round with malloc's defaults"
-    assert kept < 1_000, f"{kept} page faults in the last round with the thresholds set"
+@pytest.mark.skipif(not GLIBC or not hasattr(ctypes.CDLL(None), "mallinfo2"),
+                    reason="needs glibc's malloc (2.33 or later, for mallinfo2)")
+def test_freed_blocks_are_reused_instead_of_mapped_again():
+    left, kept = _rounds("0"), _rounds("1")
+    # glibc's defaults map both blocks (160 MB) every round, and unmap them at free: each
+    # round's pages are new ones, faulted in again.
+    assert all(mapped >= 150 * MB for mapped, _ in left), f"defaults: {left}"
+    # Kept: the blocks come from the heap, which keeps them once freed (not trimmed) and hands
+    # the same memory out again: no round maps anything, and the heap stops growing.
+    assert all(mapped < 1 * MB for mapped, _ in kept), f"thresholds set: {kept}"
+    heap_after_first, heap_after_last = kept[0][1], kept[-1][1]
+    assert heap_after_last >= 150 * MB, f"the freed blocks were given back: {kept}"
+    assert heap_after_last - heap_after_first < 16 * MB, f"the heap kept growing: {kept}"
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "0"},
