@@ -20,7 +20,7 @@ copy of the model (same initial weights), in an order that rotates from round to
   that address is on.
 
 Each step's time is the slowest rank's median. The limits, for gradient bytes G (fp32; half for
-the fp16 contenders), n ranks, the link rate R (one direction; from --profile's entry in
+the fp16 contenders), n hosts, the link rate R (one direction; from --profile's entry in
 tests/integration/netshape.PROFILES or --link-gbit) and the one-way delay d (the profile's where
 the kernel has netem, else none is added):
   t_comm   = 2(n-1)/n * G / R + buckets * 2(n-1) * d
@@ -28,11 +28,13 @@ the kernel has netem, else none is added):
              layer's): no reduction of it can start before backward ends
   t_limit  = max(t_compute, t_comm - t_last) + t_last   (perfect overlap)
   t_serial = t_compute + t_comm                          (no overlap)
-t_limit is issue 27's max(t_compute, t_comm) + t_last where compute hides the communication; where
-the link is busy for longer than the compute, the last transfer is part of t_comm, not added to
-it. The row also gives t_limit with mpidp's own buckets (L = the bucket that holds the first
-layer): what perfect overlap could reach with MPIDP_BUCKET_BYTES as set.
-With 2 ranks on a host the flat ring still pushes 2(n-1)/n * G through each host's link.
+with n the number of hosts: whatever the algorithm, each host must send 2(n-1)/n * G through its
+link (at 2 hosts, G), and MPICH's allreduce already reduces inside a host before it crosses
+(a ring over all ranks, 2(ranks-1)/ranks * G, would push 1.5 G at 2 x 2). t_limit is issue 27's
+max(t_compute, t_comm) + t_last where compute hides the communication; where the link is busy
+for longer than the compute, the last transfer is part of t_comm, not added to it. The row also
+gives t_limit with mpidp's own buckets (L = the bucket that holds the first layer): what perfect
+overlap could reach with MPIDP_BUCKET_BYTES as set.
 
 --summarize reads the --json files of several launches, prints per-launch figures and medians
 by (profile, layout, model), and --plot draws step time against link rate per contender with
@@ -206,8 +208,8 @@ def bench_model(name, comm, rounds, steps, hierarchical):
 
 
 def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
-    """t_comm, t_limit and t_serial (s) of one model's row; fp16 halves the bytes; last_key
-    "last_bucket_bytes" takes mpidp's bucket instead of the last gradient alone."""
+    """t_comm, t_limit and t_serial (s) of one model's row over n hosts; fp16 halves the bytes;
+    last_key "last_bucket_bytes" takes mpidp's bucket instead of the last gradient alone."""
     scale = 0.5 if half else 1.0
     ring = 2.0 * (n - 1) / n
     bytes_per_s = rate_bit / 8.0
@@ -219,7 +221,7 @@ def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
 
 
 def report(result, file=sys.stdout):
-    n, rate, delay = result["ranks"], result["link_bit_s"], result["delay_s"]
+    n, rate, delay = result["hosts"], result["link_bit_s"], result["delay_s"]
     p = lambda *a: print(*a, file=file)  # noqa: E731
     p(f"train step, {result['profile']}, {result['ranks']} ranks on {result['hosts']} hosts, "
       f"link {rate / 1e9 if rate else float('nan'):.3g} Gbit/s, delay {delay * 1e6:.0f} us; "
@@ -300,7 +302,7 @@ def summarize(paths, plot):
     table = {}
     for (profile, hosts, ranks), rs in groups.items():
         first = rs[0]
-        n, rate, delay = ranks, first["link_bit_s"], first["delay_s"]
+        n, rate, delay = hosts, first["link_bit_s"], first["delay_s"]
         print(f"\n== {profile}, {hosts} hosts x {ranks // hosts} ranks, {len(rs)} launch(es) "
               f"({', '.join(r['commit'] + ' ' + r['date'][11:16] for r in rs)})")
         for model in first["models"]:
@@ -344,26 +346,34 @@ def draw(table, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(ranks, model) for _, ranks, model in table})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.6))
-    axes = [axes] if len(panels) == 1 else list(axes)
-    for ax, (ranks, model) in zip(axes, panels):
-        pts = sorted((v for (_, r, m), v in table.items() if (r, m) == (ranks, model)),
-                     key=lambda v: v[0])
-        rates = [v[0] / 1e9 for v in pts]
-        for i, name in enumerate(CONTENDERS):
-            if name in pts[0][1]:
-                ax.plot(rates, [v[1][name] * 1e3 for v in pts], "-o", ms=3, color=f"C{i}",
-                        label=name)
-        ax.plot(rates, [v[2] * 1e3 for v in pts], "k--", lw=2, label="t_limit (overlap)")
-        ax.plot(rates, [v[3] * 1e3 for v in pts], "k:", lw=2, label="t_compute + t_comm")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("link rate, Gbit/s")
-        ax.set_title(f"{model}, {ranks} ranks on 2 hosts", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("step time, ms (slowest rank, median of launches)")
-    axes[-1].legend(fontsize=6.5)
+    layouts = sorted({ranks for _, ranks, _ in table})
+    names = list(dict.fromkeys(model for _, _, model in table))
+    fig, grid = plt.subplots(len(layouts), len(names), squeeze=False,
+                             figsize=(4.8 * len(names), 4.2 * len(layouts)))
+    for row, ranks in enumerate(layouts):
+        for ax, model in zip(grid[row], names):
+            pts = sorted((v for (_, r, m), v in table.items() if (r, m) == (ranks, model)),
+                         key=lambda v: v[0])
+            if not pts:
+                ax.set_visible(False)
+                continue
+            rates = [v[0] / 1e9 for v in pts]
+            for i, name in enumerate(CONTENDERS):
+                if name in pts[0][1]:
+                    ax.plot(rates, [v[1][name] * 1e3 for v in pts], "-o", ms=3,
+                            color=f"C{i}", label=name)
+            ax.plot(rates, [v[2] * 1e3 for v in pts], "k--", marker="_", ms=14, lw=2,
+                    label="t_limit (perfect overlap)")
+            ax.plot(rates, [v[3] * 1e3 for v in pts], "k:", marker="x", ms=7, lw=2,
+                    label="t_compute + t_comm (no overlap)")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("link rate, Gbit/s")
+            ax.set_title(f"{model}, 2 hosts x {ranks // 2} rank(s)", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+        grid[row][0].set_ylabel("step, ms (slowest rank, median of launches)")
+    # The legend where the most contenders are (hierarchical runs at several ranks per host).
+    grid[-1][-1].legend(fontsize=6.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

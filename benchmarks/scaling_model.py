@@ -370,8 +370,9 @@ def main(argv=None) -> int:
     m.add_argument("--repeats", type=int, default=15)
     m.add_argument("--min-time", type=float, default=0.02, help="seconds per sample, at least")
     p = sub.add_parser("predict", help="predict step time and efficiency")
-    p.add_argument("--measured", action="append", default=[], metavar="LABEL=JSON",
-                   help="a fabric from a measure run (its raw mpi4py fit)")
+    p.add_argument("--measured", action="append", default=[], metavar="LABEL=JSON[:mpidp]",
+                   help="a fabric from a measure run (its raw mpi4py fit, or with :mpidp "
+                        "mpidp's)")
     p.add_argument("--fabric", action="append", default=[], metavar="NAME=ALPHA_US,GBYTES_S",
                    help="add or override a fabric (presets: nvlink, ib-hdr, 25gbe)")
     p.add_argument("--only", default="", help="comma-separated fabric names to keep")
@@ -415,8 +416,9 @@ def main(argv=None) -> int:
     fabrics = dict(PRESETS)
     for item in args.measured:
         label, _, path = item.partition("=")
+        path, _, contender = path.partition(":")
         with open(path) as fh:
-            fit = json.load(fh)["mpi4py"]["fit"]
+            fit = json.load(fh)[contender or "mpi4py"]["fit"]
         fabrics[label] = Fabric(label, fit["alpha"], fit["beta"])
     for text in args.fabric:
         fab = parse_fabric(text)
