@@ -26,6 +26,7 @@ class Info(ctypes.Structure):
                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 info = ctypes.CDLL(None).mallinfo2
 info.restype = Info
+torch.set_num_threads(1)  # worker threads would bring arenas of their own into the count
 if sys.argv[1] == "1":
     assert malloc_reuse.keep_freed_memory()
 rounds = []
@@ -60,7 +61,8 @@ def test_freed_blocks_are_reused_instead_of_mapped_again():
     assert all(mapped < 1 * MB for mapped, _ in kept), f"thresholds set: {kept}"
     heap_after_first, heap_after_last = kept[0][1], kept[-1][1]
     assert heap_after_last >= 150 * MB, f"the freed blocks were given back: {kept}"
-    assert heap_after_last - heap_after_first < 16 * MB, f"the heap kept growing: {kept}"
+    # Without reuse each round would add its 160 MB; the margin is for the interpreter's own.
+    assert heap_after_last - heap_after_first < 64 * MB, f"the heap kept growing: {kept}"
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "0"},
