@@ -164,16 +164,21 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         if comm is not None and base is not comm:
             base.Free()
         _configure_log(comms.rank, comms.size, cfg.log_level)
-        if cfg.keep_freed_memory:
-            malloc_reuse.keep_freed_memory()
+        failure, engine = None, None
+        try:
+            if cfg.keep_freed_memory:
+                malloc_reuse.keep_freed_memory()
+            _warn_lonely_world(MPI.COMM_WORLD.Get_size())  # not comm=: a sub-world may be alone
+            if comms.rank == 0:  # once per job: the ranks of a job share their environment
+                for var, what in unknown_vars.unknown_variables():
+                    logger.warning("%s=%r is %s", var, os.environ[var], what)
+            engine = Engine(comms, cfg)
+        except Exception as exc:  # every rank must hear of it, or the others wait for good
+            failure = exc
+        _agree_setup(admin, comms, engine, failure)
         uncaught.install_abort_hook(cfg.abort_on_error)
         interrupts.install()
-        _warn_lonely_world(MPI.COMM_WORLD.Get_size())  # not comm=: a sub-world may be alone
-        if comms.rank == 0:  # once per job: the ranks of a job share their environment
-            for var, what in unknown_vars.unknown_variables():
-                logger.warning("%s=%r is %s", var, os.environ[var], what)
         homogeneous = len(set(comms.local_sizes)) == 1
-        engine = Engine(comms, cfg)
         st = _State(comms, engine, cfg, homogeneous, admin)
         st.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if process_sets == "dynamic":
@@ -190,6 +195,37 @@ def init(comm=None, process_sets=None, **overrides) -> None:
             atexit.register(shutdown)
             _atexit_registered = True
         logger.debug("initialised: %d ranks, knobs %s", comms.size, cfg)
+
+
+def _agree_setup(admin, comms, engine, failure: Optional[BaseException]) -> None:
+    """Raise on every rank if init()'s set-up failed on any (an unwritable autotune log on rank
+    0, MPIDP_BACKEND=nccl without a GPU on all), naming each error once with the ranks that saw
+    it: a ConfigError if every failure was one, else an MpidpError. Uncaught, the lowest rank
+    alone reports it (uncaught.said_once). Before this, a rank's failure aborted the job from
+    that rank alone, or left its peers waiting for good. Synchronization: an allgather on
+    `admin`."""
+    said = None
+    if failure is not None:  # mpidp's own errors say what they are
+        said = (str(failure) if isinstance(failure, MpidpError)
+                else f"{type(failure).__name__}: {failure}", isinstance(failure, ConfigError))
+    seen = admin.allgather(said)
+    if not any(seen):
+        return
+    admin.Free()
+    if engine is not None:
+        engine.discard()  # frees the communicators too
+    else:
+        comms.free()
+    ranks: dict = {}
+    for r, got in enumerate(seen):
+        if got:
+            ranks.setdefault(got[0], []).append(r)
+    message = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
+                        for text, rs in ranks.items())
+    kind = ConfigError if all(got[1] for got in seen if got) else MpidpError
+    error = kind(message)
+    error.__cause__ = failure
+    raise uncaught.said_once(error, comms.rank)
 
 
 def shutdown(timeout: float = 60.0) -> None:

@@ -35,18 +35,30 @@ class Engine:
         self.rank, self.size = comms.rank, comms.size
         self.queue = TensorQueue()
         self.stats = EngineStats()
-        self.neg = Negotiator(comms, config, self.stats)
-        self.backend = make_backend(comms, config)
-        self.backend.busy = self._user_waits
-        self.backend.stats = self.stats
-        self.tuned = autotune.Tuned(config)
-        self.executor = Executor(self.backend, self.stats, self.tuned, self.rank, self.size)
-        self.switches = self.tuned.switches
-        self.sampler = autotune.Sampler(config, self.params()) \
-            if config.autotune and self.rank == 0 else None
+        self.neg = Negotiator(comms, config, self.stats)  # posts the wake-up receive
+        self.backend = None
+        self.sampler = None
+        try:
+            self.backend = make_backend(comms, config)
+            self.backend.busy = self._user_waits
+            self.backend.stats = self.stats
+            self.tuned = autotune.Tuned(config)
+            self.executor = Executor(self.backend, self.stats, self.tuned, self.rank, self.size)
+            self.switches = self.tuned.switches
+            # Opens its log (rank 0): may fail, as may the timeline's file below.
+            self.sampler = autotune.Sampler(config, self.params()) \
+                if config.autotune and self.rank == 0 else None
+            # Rank 0 of the global set only; swapped by start/stop_timeline.
+            self.timeline: Optional[Timeline] = timeline.from_start(config, set_id, self.rank)
+        except BaseException:
+            # Cancel the posted receive (MPI warns at exit of one never completed) and close
+            # what was opened; the communicators are init()'s to free.
+            self.neg.close()
+            for part in (self.sampler, self.backend):
+                if part is not None:
+                    part.close()
+            raise
         self._tune = None  # parameters rank 0 sends at the next coordinator cycle
-        # Rank 0 of the global set only; swapped by start/stop_timeline.
-        self.timeline: Optional[Timeline] = timeline.from_start(config, set_id, self.rank)
         self._waiters_lock = threading.Lock()
         self.waiters = 0  # user threads blocked on a result: the band may then spin for peers
         self.cycle_lock = threading.Lock()  # the cycle lock: whoever holds it may call MPI
@@ -71,6 +83,11 @@ class Engine:
         self.queue.notify()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def discard(self) -> None:
+        """Release what an engine that was never started holds (its data paths, files and
+        communicators): init() failed on some rank. Synchronization: as comms.free()."""
+        self._teardown()
 
     def params(self) -> dict:
         """The autotunable knobs' current values on this rank."""

@@ -75,3 +75,37 @@ def test_an_uncaught_init_error_is_reported_once_per_job():
     line = "mpidp: init() failed on every rank: ConfigError: rank 0: MPIDP_CYCLE_TIME_MS='soon'"
     assert res.output.count(line) == 1, res.output
     assert "Traceback" not in res.output, res.output
+
+
+_CAUGHT = ("import mpidp\n"
+           "try:\n"
+           "    mpidp.init()\n"
+           "except mpidp.MpidpError as e:\n"
+           "    print(f'caught {type(e).__name__}: {e}', flush=True)\n")
+
+
+@pytest.mark.parametrize("abort", ["1", "0"])
+def test_an_init_failure_on_rank_0_alone_fails_init_on_every_rank(abort):
+    """Rank 0 alone opens the autotune log; an unwritable path used to abort the job from rank
+    0 (or, without the abort policy, leave the others waiting for good). Every rank's init()
+    raises, and uncaught, rank 0 alone says it, once."""
+    env = {"MPIDP_AUTOTUNE": "1", "MPIDP_AUTOTUNE_LOG": "/nonexistent-dir/tune.csv",
+           "MPIDP_ABORT_ON_ERROR": abort}
+    res = run(3, "-c", _CAUGHT, env=env, timeout=60)
+    assert res.returncode == 0, res.output
+    assert res.stdout.count("caught MpidpError: rank 0: FileNotFoundError") == 3, res.output
+    res = run(3, "-c", "import mpidp; mpidp.init()", env=env, timeout=60)
+    assert res.returncode != 0, res.output
+    assert res.output.count("init() failed on every rank: MpidpError: rank 0: "
+                            "FileNotFoundError") == 1, res.output
+    assert "Traceback" not in res.output, res.output
+
+
+def test_an_init_error_every_rank_sees_is_said_once_with_its_ranks():
+    """MPIDP_BACKEND=nccl on a host without a GPU: one line for the job, not a traceback per
+    rank."""
+    res = run(3, "-c", "import mpidp; mpidp.init()", env={"MPIDP_BACKEND": "nccl"}, timeout=60)
+    assert res.returncode != 0, res.output
+    line = "init() failed on every rank: ConfigError: ranks 0, 1, 2: MPIDP_BACKEND=nccl"
+    assert res.output.count(line) == 1, res.output
+    assert "Traceback" not in res.output, res.output
