@@ -93,7 +93,9 @@ KNOBS: Tuple[Knob, ...] = (
     Knob("chunk_bytes", "MPIDP_CHUNK_BYTES", _nonneg_int, 4 * MiB,
          "A tensor reduced on its own is cut into chunks of this many bytes, each one "
          "collective on a slice in place; 0 means never chunk. Cache-sized chunks run at about "
-         "twice the bandwidth of one 64 MB call here (BENCHMARKS.md).", ),
+         "twice the bandwidth of one 64 MB call on one host (BENCHMARKS.md). Unset, a job "
+         "whose ranks span hosts does not chunk: there the network sets the pace, and each "
+         "chunk's start and end leave the link idle.", ),
     Knob("cycle_time_ms", "MPIDP_CYCLE_TIME_MS", _nonneg_float, 0.0,
          "Shortest time between the starts of two engine cycles while work flows. 0 (Horovod: "
          "1 ms) because the cycle wakes on submission: a fixed wait adds directly to the latency "

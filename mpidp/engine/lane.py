@@ -65,7 +65,7 @@ def plan(route, req, t: torch.Tensor, size: int) -> Lane:
             or req.reduce_op == ReduceOp.ADASUM:
         return Lane()
     nbytes = t.numel() * t.element_size()
-    if nbytes > route.config.chunk_bytes > 0:
+    if nbytes > route.chunk_bytes > 0:
         return Lane()
     factor = scaling.after_factor(req.reduce_op, req.postscale, size)
     return Lane(route, mpi.mpi_op(req.reduce_op, False), factor, nbytes)

@@ -140,3 +140,22 @@ def test_through_mpidp_ops():
     finally:
         mpidp.shutdown()
         mpidp.init()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_across_nodes_a_tensor_is_not_chunked_unless_the_knob_is_set():
+    """Across hosts the network sets the pace and each chunk's collective leaves the link idle
+    at its start and end: unset, chunk_bytes does not apply; set, it does. On one node it
+    does."""
+    across = Comms(MPI.COMM_WORLD, simulated_local_size=1)
+    one_node = Comms(MPI.COMM_WORLD, simulated_local_size=SIZE)
+    try:
+        got = (HostBackend(across, mpidp_config.load(backend="mpi")).chunk_bytes,
+               HostBackend(across, mpidp_config.load(backend="mpi", chunk_bytes=1024)).chunk_bytes,
+               HostBackend(one_node, mpidp_config.load(backend="mpi")).chunk_bytes,
+               across.spans_hosts, one_node.spans_hosts)
+        default = mpidp_config.load(backend="mpi").chunk_bytes
+        assert_all(got == (0, 1024, default, True, False), f"got {got}")
+    finally:
+        across.free()
+        one_node.free()

@@ -58,6 +58,11 @@ class HostBackend:
         self._planner = fusion.PartPlanner()
         self.hierarchical = hierarchy.usable(comms, config)
         self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
+        # Chunks pay where a reduction is memory copies that fall out of cache; across hosts
+        # each chunk is a collective of its own whose start and end leave the link idle
+        # (64 MB at 1 Gbit/s: 0.78 of the link in 4 MiB chunks, 0.98 whole; BENCHMARKS.md).
+        self.chunk_bytes = config.chunk_bytes if not self.network \
+            or "chunk_bytes" in config.explicit else 0
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
         self.stats = None  # set by the engine: its EngineStats (wire_bytes is counted here)
@@ -85,7 +90,7 @@ class HostBackend:
         self._reduce_np(None if send is None else _np(send), recv_np, recv,
                         half.mpi_reduce_op(recv.dtype, req.reduce_op),
                         scaling.after_factor(req.reduce_op, req.postscale, self.size),
-                        self.config.chunk_bytes // recv_np.itemsize)
+                        self.chunk_bytes // recv_np.itemsize)
 
     def _reduce_np(self, send, recv, out: torch.Tensor, op, post: float, step: int) -> None:
         """Allreduce flat buffers (`send=None`: in place), hierarchically when enabled, in
@@ -168,7 +173,7 @@ class HostBackend:
         if plain:  # what each large part needs is the same for all: worked out once
             op = mpi.mpi_op(req.reduce_op, srcs[0].dtype == torch.bool)
             post = scaling.after_factor(req.reduce_op, req.postscale, self.size)
-            step = self.config.chunk_bytes // srcs[0].element_size()
+            step = self.chunk_bytes // srcs[0].element_size()
         for group in self._planner(batch, fuse_below, threshold):
             if group.packed and len(group.idx) > 1:
                 self._allreduce_packed(group, srcs, outs, req, device)
