@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from ..errors import EngineShutdownError
 from ..log import logger
-from . import autotune, interrupts, timeline
+from . import autotune, call_watch, interrupts, timeline
 from .backends import make_backend
 from .messages import OpType
 from .protocol import WAKE_POLL_S, Negotiator
@@ -67,6 +67,7 @@ class Engine:
         self._reason: Optional[BaseException] = None  # why the engine stopped, once it has
         self.clean = True
         self._thread = threading.Thread(target=self._run, name="mpidp-engine", daemon=True)
+        self.watch = call_watch.watch(self)  # stalls inside MPI calls (its own thread)
         self._lone = Lane()  # the band of a lone op that drive() runs as express() does
 
     def start(self) -> None:
