@@ -28,6 +28,6 @@ def decide(state, params) -> bool:
         return setting == "1"
     if any(p.device.type != "cpu" for p in params):
         return True
-    if state.local_size < state.size:
+    if state.local_size < state.comms.size:
         return True
     return host_cores() / max(1, state.local_size) > torch.get_num_threads()

@@ -11,7 +11,7 @@ from mpidp import overlap
 
 def _state(setting, local_size, size=None):
     return SimpleNamespace(config=SimpleNamespace(overlap=setting), local_size=local_size,
-                           size=local_size if size is None else size)
+                           comms=SimpleNamespace(size=local_size if size is None else size))
 
 
 @pytest.mark.parametrize("setting, expected", [("1", True), ("0", False)])
