@@ -29,13 +29,11 @@ NEGOTIATION_SLACK_S = 2.0
 
 
 def watch(engine) -> "CallWatch":
-    """Start the watch of `engine`'s calls; it ends once the engine has stopped for good (a
-    call the engine left then is no stall)."""
-    found = CallWatch(engine.stats, engine.rank, remote_ranks(engine.comms),
-                      engine.config.stall_warning_s, engine.config.stall_shutdown_s,
-                      alive=lambda: engine._reason is None)
-    found.start()
-    return found
+    """The watch of `engine`'s calls, to start() with the engine; it ends once the engine has
+    stopped for good (a call the engine left then is no stall)."""
+    return CallWatch(engine.stats, engine.rank, remote_ranks(engine.comms),
+                     engine.config.stall_warning_s, engine.config.stall_shutdown_s,
+                     alive=lambda: engine._reason is None)
 
 
 def remote_ranks(comms) -> list:

@@ -72,6 +72,7 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+        self.watch.start()
 
     def submit(self, entries: List[Entry], notify: bool = True) -> None:
         """Enqueue; raises the engine's stop reason if it has stopped. `notify=False` leaves
