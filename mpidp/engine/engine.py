@@ -243,8 +243,12 @@ class Engine:
             return (f"process set {self.set_id} was removed (a member called "
                     f"mpidp.remove_process_set() or mpidp.shutdown()) while this op was pending "
                     f"or after; add the set again on every rank to continue")
-        return ("mpidp was shut down by a rank (mpidp.shutdown(), or its script ended) while this "
-                "op was pending; if all ranks still run, mpidp.init() on each starts over")
+        by = self.neg.stopped_by
+        who = "a rank" if not by else (
+            f"rank{'s' if len(by) > 1 else ''} "
+            + ", ".join(f"{r} (host {self.comms.hosts[r]})" for r in by))
+        return (f"mpidp was shut down by {who} (mpidp.shutdown(), or its script ended) while "
+                f"this op was pending; if all ranks still run, mpidp.init() on each starts over")
 
     def _halt(self, reason: BaseException) -> None:
         """Stop for good: refuse new ops and fail every op in flight with `reason`."""

@@ -107,6 +107,7 @@ class Comms:
         self.control = self.world.Dup()
         self.wake = self.world.Dup()
         self.local_sizes = self.world.allgather(self.local.Get_size())
+        self.hosts = self.world.allgather(MPI.Get_processor_name())  # errors name them
         # Marks this engine's wake-ups: a freed communicator's context id may come back in a
         # later Dup, with an old wake-up still queued for it, which must not reach a new engine.
         self.epoch = self.world.bcast(
@@ -238,6 +239,11 @@ def gather_objects(comm, obj, root: int) -> Optional[list]:
         return [pickle.loads(buf[offsets[i]:offsets[i + 1]].tobytes()) for i in range(size)]
     wait(comm.Igatherv([data, MPI.BYTE], None, root=root))
     return None
+
+
+def allgather_object(comm, obj) -> list:
+    """Every rank's picklable `obj`, in rank order (for rare, small exchanges)."""
+    return comm.allgather(obj)
 
 
 def bcast_object(comm, obj, root: int):

@@ -108,6 +108,8 @@ class Negotiator:
         self.cycles = 0       # cycles completed: the same count on every rank between cycles
         self._woken = 0       # flags that peers' wake-ups ask for in the next cycle
         self._due = False     # a wake-up asks this rank to run the next cycle
+        self._asked_stop = False  # this rank raised SHUTDOWN in the cycle in flight
+        self.stopped_by: List[int] = []  # the ranks that raised SHUTDOWN, once it is agreed
 
     # ---- between cycles ----
 
@@ -213,6 +215,7 @@ class Negotiator:
 
         self.stats.begin_negotiation(time.monotonic())
         mpi.allreduce_band(self.control, band, spin, poll)
+        self._asked_stop = bool((flags | sent) & F_SHUTDOWN)
         self.cycles += 1
 
     def _read(self, band: bytearray, nb: int, ops: Dict[str, Entry], admitted: List[Entry],
@@ -222,6 +225,10 @@ class Negotiator:
         timeline = timeline()
         flags = _MASK64 ^ int.from_bytes(band[2 * nb:], "little")
         if flags & F_SHUTDOWN:
+            # Every rank is in this cycle: one more small collective says who stops, so the
+            # others' errors name the rank (and host) whose script ended or called shutdown().
+            asked = mpi.allgather_object(self.control, self._asked_stop)
+            self.stopped_by = [r for r, yes in enumerate(asked) if yes]
             st.end_negotiation(time.monotonic())
             return [], True, None
         full = (1 << (8 * nb)) - 1
