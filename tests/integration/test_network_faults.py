@@ -87,7 +87,8 @@ def test_link_down_ends_the_job_naming_the_peers_and_the_checkpoint_resumes_bitw
     assert re.search(r"\[mpidp 0/2 hosta\] CRITICAL: stall: rank 0 has waited [0-9.]+ s in a "
                      r".* \(ranks on other hosts: 1\)", job.output), job.output
     assert "rank 0: finished" not in job.output
-    saved = [int(s) for s in re.findall(r"^rank 0: saved at step (\d+)$", "".join(job.out), re.M)]
+    # hydra may join two ranks' lines into one: no anchors
+    saved = [int(s) for s in re.findall(r"rank 0: saved at step (\d+)", "".join(job.out))]
     assert saved and saved[-1] >= 20, job.output
     clean.link_up("hostb")
     resumed = _Job(clean, *HOSTS, PY, TRAIN, STEPS, tmp_path / "resumed.pt", "--ckpt", ckpt,
