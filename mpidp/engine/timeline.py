@@ -13,8 +13,9 @@ submitted it, from the slow path's gather), then a span named after the op ("all
 while its batch ran, with "pack"/"mpi"/"unpack" phases nested in it when the data path reports
 them through `mark`.
 
-The file is written in batches by a writer thread, so the engine only appends tuples. It is
-valid JSON once `close()` ran (stop_timeline(), shutdown()). A process killed before that
+The file is written in batches by a writer thread, so the engine only appends tuples; a batch
+reaches the file within milliseconds, so a job that is killed (a peer died) keeps what happened
+before. It is valid JSON once `close()` ran (stop_timeline(), shutdown()). A process killed before that
 leaves an array without its closing bracket, which the format allows (Perfetto and
 chrome://tracing accept it); `load()` reads such a file by appending the bracket.
 """
@@ -30,14 +31,19 @@ from ..log import logger
 from .fusion import tensor_count
 from .messages import OP_NAMES
 
-_FLUSH_S = 0.25          # the writer wakes this often; a killed job loses at most this much
+# The writer wakes when events arrive, waits _COALESCE_S for the rest of the burst, and writes
+# them: a job killed at once (a peer died and the launcher ended every rank) loses at most the
+# last few milliseconds. Every _FLUSH_S it also writes what a wake-up may have missed.
+_COALESCE_S = 0.005
+_FLUSH_S = 0.25
 _MAX_TENSORS_IN_ARGS = 64  # a fused batch lists at most this many names in its span's args
 CYCLE_ROW = "engine cycles"
 
 
 class Timeline:
     """Rank 0's event recorder. Engine thread: the `drained`..`batch_end` hooks (cheap appends).
-    Writer thread: turns tuples into JSON lines and writes them every `_FLUSH_S`."""
+    Writer thread: turns tuples into JSON lines and writes them within `_COALESCE_S` of their
+    arrival."""
 
     def __init__(self, path: str, mark_cycles: bool = False):
         self.path = path
@@ -65,7 +71,10 @@ class Timeline:
 
     def _emit(self, event: tuple) -> None:
         if not self._closed:
+            idle = not self._events  # the first event of a burst wakes the writer
             self._events.append(event)
+            if idle:
+                self._wake.set()
 
     def drained(self, entries, now: float) -> None:
         """Rank 0's engine took these entries off the submission queue at `now`."""
@@ -182,7 +191,9 @@ class Timeline:
 
     def _write_loop(self) -> None:
         while not self._closed:
-            self._wake.wait(_FLUSH_S)
+            if self._wake.wait(_FLUSH_S) and not self._closed:
+                self._wake.clear()
+                time.sleep(_COALESCE_S)
             self._flush()
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """Launch-time behaviour under mpiexec: knobs, thread level, lonely worlds, stalls, shutdown."""
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -113,3 +115,23 @@ def test_an_init_error_every_rank_sees_is_said_once_with_its_ranks():
     line = "init() failed on every rank: ConfigError: ranks 0, 1, 2: MPIDP_BACKEND=nccl"
     assert res.output.count(line) == 1, res.output
     assert "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_peer_that_dies_leaves_rank_0s_timeline_with_what_came_before(tmp_path, code):
+    """The launcher ends rank 0 moments after rank 1 exits; its timeline held only '[' (events
+    were written every 0.25 s). Every event before the failure is there, whole, and the CLI
+    reads the file without its closing bracket."""
+    path = tmp_path / "timeline.json"
+    run(2, SCRIPTS / "timeline_peer_dies.py", code, env={"MPIDP_TIMELINE": str(path)},
+        timeout=60)
+    from mpidp.engine import timeline
+    events = timeline.load(str(path))
+    timeline.validate(events)
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {f"before.{i}" for i in range(5)} <= rows, rows
+    spans = [e for e in events if e["name"] == "allreduce" and e["ph"] == "X"]
+    assert len(spans) >= 5, events
+    res = subprocess.run([sys.executable, "-m", "mpidp", "timeline", str(path)],
+                         capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert res.returncode == 0 and "valid trace" in res.stdout, res.stdout + res.stderr
