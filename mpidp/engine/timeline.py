@@ -15,8 +15,8 @@ them through `mark`.
 
 The file is written in batches by a writer thread, so the engine only appends tuples; a batch
 reaches the file within milliseconds, so a job that is killed (a peer died) keeps what happened
-before. It is valid JSON once `close()` ran (stop_timeline(), shutdown()). A process killed before that
-leaves an array without its closing bracket, which the format allows (Perfetto and
+before. It is valid JSON once `close()` ran (stop_timeline(), shutdown()). A process killed
+before that leaves an array without its closing bracket, which the format allows (Perfetto and
 chrome://tracing accept it); `load()` reads such a file by appending the bracket.
 """
 

@@ -4,12 +4,15 @@ import ast
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = sorted((ROOT / "mpidp").rglob("*.py"))
-MAX_LINES = 300  # one concept per module reads in one sitting
+# One concept per module, never split for size: about 400 lines reads in one sitting (a warning
+# past it), and a module past 500 holds more than one concept.
+SOFT_LINES, MAX_LINES = 400, 500
 
 
 def test_ruff_lint_is_clean():
@@ -30,9 +33,11 @@ def test_module_has_a_one_line_docstring(path):
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_module_is_at_most_300_lines(path):
+def test_module_is_at_most_500_lines(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {MAX_LINES})"
+    if n > SOFT_LINES:
+        warnings.warn(f"{path.relative_to(ROOT)} has {n} lines (about {SOFT_LINES} is the aim)")
 
 
 def test_built_queries_do_not_start_mpi():
