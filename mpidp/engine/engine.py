@@ -116,7 +116,7 @@ class Engine:
         """
         if all(e.done() for e in entries):
             return
-        if not self.cycle_lock.acquire(blocking=False):
+        if not interrupts.may_drive() or not self.cycle_lock.acquire(blocking=False):
             self.queue.notify()  # it may have been told of nothing (submit(notify=False))
             return
         try:
@@ -144,7 +144,7 @@ class Engine:
         the engine is busy or the op is not cached: submit() it instead. Synchronization: as
         drive().
         """
-        if not self.cycle_lock.acquire(blocking=False):
+        if not interrupts.may_drive() or not self.cycle_lock.acquire(blocking=False):
             return False
         try:
             if not self._hold(entry):

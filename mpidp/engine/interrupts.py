@@ -17,6 +17,10 @@ _MAIN = threading.main_thread().ident
 _driving = False   # the main thread is running engine cycles
 _pending = False   # a SIGINT arrived meanwhile, not raised yet
 _previous = None   # the handler ours replaced (raises KeyboardInterrupt)
+# What batch systems send before they end a job (Slurm: SIGTERM at scancel and preemption,
+# SIGUSR1/2 with --signal), which scripts (Lightning among them) catch in Python.
+_JOB_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2")
+                     if hasattr(signal, n))
 
 
 def _on_sigint(signum, frame):
@@ -60,3 +64,18 @@ def deliver() -> None:
     if _pending:
         _pending = False
         raise KeyboardInterrupt
+
+
+def may_drive() -> bool:
+    """Whether this thread may run engine cycles itself (Engine.express, Engine.drive). Not
+    the main thread while a Python handler is installed for a signal a batch system sends:
+    Python runs it on the main thread between two bytecodes, so a handler that raises
+    (SystemExit, to end the rank cleanly) would leave the cycle, and the peers in its
+    collective, half done. The engine thread runs the cycles then, and the main thread only
+    waits, where such an exception ends the rank cleanly."""
+    if threading.get_ident() != _MAIN:
+        return True
+    for signum in _JOB_SIGNALS:
+        if callable(signal.getsignal(signum)):
+            return False
+    return True

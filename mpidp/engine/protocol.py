@@ -215,7 +215,8 @@ class Negotiator:
 
         self.stats.begin_negotiation(time.monotonic())
         mpi.allreduce_band(self.control, band, spin, poll)
-        self._asked_stop = bool((flags | sent) & F_SHUTDOWN)
+        # Its own stop, not a peer's relayed by a wake-up (which `flags` may carry).
+        self._asked_stop = stopping()
         self.cycles += 1
 
     def _read(self, band: bytearray, nb: int, ops: Dict[str, Entry], admitted: List[Entry],

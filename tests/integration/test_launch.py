@@ -135,3 +135,16 @@ def test_a_peer_that_dies_leaves_rank_0s_timeline_with_what_came_before(tmp_path
     res = subprocess.run([sys.executable, "-m", "mpidp", "timeline", str(path)],
                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
     assert res.returncode == 0 and "valid trace" in res.stdout, res.stdout + res.stderr
+
+
+def test_sigterm_handler_raising_systemexit_ends_that_rank_cleanly():
+    """SystemExit from a SIGTERM handler used to strike inside an engine cycle the main thread
+    was running ("engine failed", the job aborted). The rank ends cleanly; the others' ops fail
+    with an error that names it."""
+    res = run(3, SCRIPTS / "sigterm_exit.py", timeout=90)
+    assert res.returncode == 0, res.output
+    assert "engine failed" not in res.output and "Traceback" not in res.output, res.output
+    host = socket.gethostname()
+    for rank in (0, 2):
+        assert f"rank {rank}: EngineShutdownError: mpidp was shut down by rank 1 (host {host})" \
+            in res.stdout, res.output

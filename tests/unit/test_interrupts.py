@@ -3,6 +3,7 @@ the driving call ends (or raised at once by a second one); otherwise it is raise
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -60,3 +61,21 @@ def test_a_scripts_own_handler_is_left_alone():
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_the_main_thread_does_not_drive_cycles_while_a_job_signal_has_a_python_handler():
+    """A handler that raises (SystemExit at SIGTERM) would leave a cycle half done."""
+    it = interrupts
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert it.may_drive()
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        assert not it.may_drive()
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(it.may_drive()))
+        worker.start()
+        worker.join()
+        assert seen == [True]  # only the main thread runs Python signal handlers
+    finally:
+        signal.signal(signal.SIGTERM, old)
