@@ -228,8 +228,11 @@ class Negotiator:
         if flags & F_SHUTDOWN:
             # Every rank is in this cycle: one more small collective says who stops, so the
             # others' errors name the rank (and host) whose script ended or called shutdown().
-            asked = mpi.allgather_object(self.control, self._asked_stop)
-            self.stopped_by = [r for r, yes in enumerate(asked) if yes]
+            # With it, what each rank sent this one: the last cycle takes every wake-up still
+            # on its way, none is left unreceived at exit.
+            said = mpi.allgather_object(self.control, (self._asked_stop, self.box.sent))
+            self.stopped_by = [r for r, (yes, _) in enumerate(said) if yes]
+            self.box.drain(sum(sent[self.rank] for _, sent in said))
             st.end_negotiation(time.monotonic())
             return [], True, None
         full = (1 << (8 * nb)) - 1
