@@ -127,11 +127,15 @@ KNOBS: Tuple[Knob, ...] = (
          horovod="HOROVOD_CACHE_CAPACITY"),
     Knob("stall_warning_s", "MPIDP_STALL_WARNING_S", _nonneg_float, 60.0,
          "Seconds a tensor may wait for missing ranks before rank 0 logs which ranks and "
-         "tensors are missing; 0 disables the check.",
+         "tensors are missing, and an MPI call every rank entered may last before the "
+         "waiting ranks log it with the ranks and hosts they wait on (a slow or cut link); "
+         "0 disables the check.",
          horovod="HOROVOD_STALL_CHECK_TIME_SECONDS"),
     Knob("stall_shutdown_s", "MPIDP_STALL_SHUTDOWN_S", _nonneg_float, 0.0,
          "Seconds after which a stalled tensor shuts the engine down and fails every pending "
-         "op; 0 means never.", horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+         "op, and after which a rank stuck in an MPI call (a host unreachable) ends the job "
+         "naming the ranks and hosts it waits on; 0 means never.",
+         horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
     Knob("log_level", "MPIDP_LOG_LEVEL", _log_level, "warning",
          "Level of mpidp's rank-prefixed log.", horovod="HOROVOD_LOG_LEVEL", must_agree=False),
     Knob("abort_on_error", "MPIDP_ABORT_ON_ERROR", _parse_bool, True,

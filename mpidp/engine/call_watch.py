@@ -33,7 +33,7 @@ def watch(engine) -> "CallWatch":
     stopped for good (a call the engine left then is no stall)."""
     return CallWatch(engine.stats, engine.rank, remote_ranks(engine.comms),
                      engine.config.stall_warning_s, engine.config.stall_shutdown_s,
-                     alive=lambda: engine._reason is None)
+                     alive=engine.running, hosts=engine.comms.hosts)
 
 
 def remote_ranks(comms) -> list:
@@ -43,8 +43,10 @@ def remote_ranks(comms) -> list:
     return sorted(set(range(comms.size)) - set(local))
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ",".join(map(str, ranks)) if ranks else "none"
+def _ranks(ranks: Sequence[int], hosts: Optional[Sequence[str]] = None) -> str:
+    if not ranks:
+        return "none"
+    return ", ".join(f"{r} ({hosts[r]})" if hosts else str(r) for r in ranks)
 
 
 class CallWatch:
@@ -53,8 +55,10 @@ class CallWatch:
 
     def __init__(self, stats, rank: int, remote: Sequence[int], warning_s: float,
                  shutdown_s: float, abort: Callable[[str], None] = mpi.abort_job,
-                 alive: Callable[[], bool] = lambda: True):
+                 alive: Callable[[], bool] = lambda: True,
+                 hosts: Optional[Sequence[str]] = None):
         self.stats = stats
+        self.hosts = hosts  # each rank's host name, to name the unreachable ones
         self.alive = alive
         self.rank = rank
         self.remote = list(remote)
@@ -98,9 +102,9 @@ class CallWatch:
             if 0 < self.shutdown_s <= age - slack:
                 self.abort(f"stall: rank {self.rank} has waited {age:.1f} s in a {kind} that "
                            f"its peers cannot complete (ranks on other hosts: "
-                           f"{_ranks(self.remote)}): a host is unreachable or its link has "
-                           f"stalled; MPIDP_STALL_SHUTDOWN_S={self.shutdown_s:g}: ending the "
-                           f"job")
+                           f"{_ranks(self.remote, self.hosts)}): a host is unreachable or its "
+                           f"link has stalled; MPIDP_STALL_SHUTDOWN_S={self.shutdown_s:g}: "
+                           f"ending the job")
                 return True
             if 0 < self.warning_s <= age - slack:
                 start, at = self._warned.get(kind, (None, 0.0))
@@ -110,5 +114,5 @@ class CallWatch:
                         "stall: rank %d has waited %.1f s in a %s for its peers (ranks on "
                         "other hosts: %s): a slow or cut-off link, or a slow rank; repeated "
                         "every %.0f s while it waits", self.rank, age, kind,
-                        _ranks(self.remote), self.warning_s)
+                        _ranks(self.remote, self.hosts), self.warning_s)
         return False

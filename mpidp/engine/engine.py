@@ -86,6 +86,10 @@ class Engine:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def running(self) -> bool:
+        """The engine has not stopped for good (no stop reason yet)."""
+        return self._reason is None
+
     def discard(self) -> None:
         """Release what an engine that was never started holds (its data paths, files and
         communicators): init() failed on some rank. Synchronization: as comms.free()."""

@@ -85,7 +85,7 @@ def test_link_down_ends_the_job_naming_the_peers_and_the_checkpoint_resumes_bitw
     assert secs < SHUTDOWN_S + NEGOTIATION_SLACK_S + 5, \
         f"the job took {secs:.1f} s to end:\n{job.output}"
     assert re.search(r"\[mpidp 0/2 hosta\] CRITICAL: stall: rank 0 has waited [0-9.]+ s in a "
-                     r".* \(ranks on other hosts: 1\)", job.output), job.output
+                     r".* \(ranks on other hosts: 1 \(hostb\)\)", job.output), job.output
     assert "rank 0: finished" not in job.output
     # hydra may join two ranks' lines into one: no anchors
     saved = [int(s) for s in re.findall(r"rank 0: saved at step (\d+)", "".join(job.out))]
@@ -112,7 +112,8 @@ def test_a_link_at_1_mbit_is_reported_and_the_job_finishes_when_it_recovers(clea
     assert rc == 0 and "".join(job.out).count("finished") == 2, job.output
     # Either side waits on the other: each names the ranks of the other host.
     assert re.search(r"WARNING: stall: rank (0 has waited [0-9.]+ s in a .* \(ranks on other "
-                     r"hosts: 1\)|1 has waited [0-9.]+ s in a .* \(ranks on other hosts: 0\))",
+                     r"hosts: 1 \(hostb\)\)|1 has waited [0-9.]+ s in a .* \(ranks on other "
+                     r"hosts: 0 \(hosta\)\))",
                      job.output), job.output
 
 

@@ -14,7 +14,8 @@ logged = test_stall.warnings_  # the fixture, here named `logged`: what mpidp lo
 def _watch(warning_s=2.0, shutdown_s=10.0):
     stats = types.SimpleNamespace(collective=(0.0, 0.0), negotiate=(0.0, 0.0))
     aborted = []
-    watch = CallWatch(stats, 0, [2, 3], warning_s, shutdown_s, abort=aborted.append)
+    watch = CallWatch(stats, 0, [2, 3], warning_s, shutdown_s, abort=aborted.append,
+                      hosts=["a", "a", "b", "b"])
     return watch, stats, aborted
 
 
@@ -25,14 +26,14 @@ def test_a_data_path_call_past_the_limits_is_reported_then_ends_the_job(logged):
     assert not watch.check(102.5)
     (rec,) = logged.records
     assert "rank 0 has waited 2.5 s in a data-path collective" in rec.getMessage()
-    assert "ranks on other hosts: 2,3" in rec.getMessage()
+    assert "ranks on other hosts: 2 (b), 3 (b)" in rec.getMessage()
     assert not watch.check(103.0) and len(logged.records) == 1   # once per warning period
     assert not watch.check(104.6) and len(logged.records) == 2
     assert not aborted
     assert watch.check(110.0)
     (msg,) = aborted
     assert "rank 0 has waited 10.0 s in a data-path collective" in msg
-    assert "ranks on other hosts: 2,3" in msg and "MPIDP_STALL_SHUTDOWN_S=10" in msg
+    assert "ranks on other hosts: 2 (b), 3 (b)" in msg and "MPIDP_STALL_SHUTDOWN_S=10" in msg
 
 
 def test_a_negotiation_call_gets_the_slack(logged):
