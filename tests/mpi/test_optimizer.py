@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import os
 import time
 import warnings
 import zlib
@@ -581,21 +582,32 @@ def _train(model, steps=3, **opt_kw):
 @pytest.mark.mpi
 def test_every_bucket_size_gives_the_same_parameters_bitwise():
     """One op per parameter, tiny buckets and the default all reduce the same numbers in the same
-    order per element, so the trained parameters are bitwise equal, and equal the reference."""
-    results = []
+    order per element, so the trained parameters are bitwise equal (to 1e-12 over gloo at 3 ranks
+    or more), and equal the reference."""
+    results, params = [], []
     try:
         for cap in (0, 64, 200, 25 * 1024 * 1024):
             run_all(_reinit, bucket_bytes=cap)
             model = _model()
             opt = _train(model)
             results.append(_checksum(model))
+            params.append([p.detach().clone() for p in model.parameters()])
             sizes = [len(b.params) for b in opt._buckets]
             trained = sum(1 for p in model.parameters() if p.requires_grad)
             assert_all(sum(sizes) == trained and (cap != 0 or max(sizes) == 1),
                        f"bucket_bytes={cap}: bucket sizes {sizes}")
     finally:
         run_all(_reinit)
-    assert_all(all(r == results[0] for r in results), f"checksums per bucket size: {results}")
+    # Gloo's ring starts each chunk's sum at a rank set by the element's offset in the fused
+    # buffer, and which buckets one cycle fuses depends on timing: at 3 ranks or more the order of
+    # the sum, so its last bits, can change with the bucket size there (seen once in CI at n=3).
+    # MPICH reduces messages this small by recursive doubling, whose order is the same for every
+    # element.
+    if os.environ.get("MPIDP_BACKEND", "").lower() != "gloo" or mpidp.size() < 3:
+        assert_all(all(r == results[0] for r in results), f"checksums per bucket size: {results}")
+    else:
+        worst = max((a - b).abs().max().item() for ps in params for a, b in zip(ps, params[0]))
+        assert_all(worst < 1e-12, f"gloo: parameters per bucket size differ by {worst}")
     ref = _model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in _data(steps=3, micro=1):
