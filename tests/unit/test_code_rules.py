@@ -52,3 +52,17 @@ def test_built_queries_do_not_start_mpi():
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "a *_built() query imported mpi4py.MPI"
+
+
+def test_import_and_eager_calls_do_not_import_dynamo():
+    """torch.compile's Dynamo costs 1.2 s of CPU to import, in every rank of every job: mpidp
+    leaves it out until something else (torch.compile) brings it in."""
+    code = ("import sys, torch, mpidp\n"
+            "mpidp.init()\n"
+            "mpidp.allreduce(torch.ones(2), name='x')\n"
+            "mpidp.shutdown()\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "importing or calling mpidp imported torch._dynamo"
