@@ -40,6 +40,14 @@ def test_module_is_at_most_500_lines(path):
         warnings.warn(f"{path.relative_to(ROOT)} has {n} lines (about {SOFT_LINES} is the aim)")
 
 
+def _python(code: str) -> str:
+    """What a fresh interpreter running `code` printed (it must exit 0)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_built_queries_do_not_start_mpi():
     """`*_built()` may be asked before init(); importing mpi4py.MPI would initialise MPI."""
     code = ("import sys, mpidp\n"
@@ -48,10 +56,7 @@ def test_built_queries_do_not_start_mpi():
             "for n in names:\n"
             "    getattr(mpidp, n)()\n"
             "print('mpi4py.MPI' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False", "a *_built() query imported mpi4py.MPI"
+    assert _python(code) == "False", "a *_built() query imported mpi4py.MPI"
 
 
 def test_import_and_eager_calls_do_not_import_dynamo():
@@ -62,7 +67,4 @@ def test_import_and_eager_calls_do_not_import_dynamo():
             "mpidp.allreduce(torch.ones(2), name='x')\n"
             "mpidp.shutdown()\n"
             "print('torch._dynamo' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False", "importing or calling mpidp imported torch._dynamo"
+    assert _python(code) == "False", "importing or calling mpidp imported torch._dynamo"
