@@ -102,7 +102,7 @@ def main() -> None:
     if rank == 0:
         print(f"# {size} ranks, {len(tensors)} tensors, {total:,} float32 "
               f"({total * 4 / MB:.1f} MiB) in {len(groups)} op(s); data path "
-              f"{mpidp.runtime.state().engine.backend.names}", flush=True)
+              f"{mpidp.runtime.world.state().engine.backend.names}", flush=True)
     check(comm, tensors, groups)
     calls = {"average": lambda: reduce_all(groups, mpidp.Average, "adasum_bench.avg"),
              "adasum": lambda: reduce_all(groups, mpidp.Adasum, "adasum_bench.adasum")}

@@ -174,7 +174,7 @@ class BucketOp:
     def __call__(self):
         if self.request is None:
             handle = mpidp.grouped_allreduce_async_(self.tensors, name=self.name, op=self.op)
-            entry = mpidp.runtime.state().handles.members(handle)[0]
+            entry = mpidp.runtime.world.state().handles.members(handle)[0]
             self.request, self.cache_key = entry.request, entry.cache_key
         else:
             with mpidp.ops.blocking():  # as the optimizer's step() submits what it waits for
@@ -361,7 +361,7 @@ def main():
         base = idle_cpu(comm, args.idle_seconds)  # before init(): MPI + torch alone
 
     mpidp.init()
-    result["config"] = {k: v for k, v in vars(mpidp.runtime.state().config).items()
+    result["config"] = {k: v for k, v in vars(mpidp.runtime.world.state().config).items()
                         if k != "explicit"}
 
     cases = []

@@ -33,7 +33,7 @@ import torch
 from mpi4py import MPI
 
 import mpidp
-from mpidp import observe, runtime
+from mpidp.runtime import observe, world
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import RESNET18_SHAPES  # noqa: E402
@@ -84,7 +84,7 @@ def tune(comm, step, args):
             os.remove(args.log)
     knobs = {} if args.sample_s is None else {"autotune_sample_s": args.sample_s}
     mpidp.init(autotune=True, autotune_log=args.log if comm.rank == 0 else "", **knobs)
-    engine = runtime.state().engine
+    engine = world.state().engine
     began = time.perf_counter()
     steps = 0
     while True:
@@ -146,7 +146,7 @@ def main():
         f"after {tune_s:.1f} s ({tune_steps} steps); log: {args.log or '(none)'}")
 
     mpidp.init()
-    defaults = {k: getattr(runtime.state().config, k) for k in TUNED}
+    defaults = {k: getattr(world.state().config, k) for k in TUNED}
     mpidp.shutdown()
     settings = {"defaults": {}, "autotuned": {k: chosen[k] for k in TUNED}}
     order = list(settings)

@@ -114,8 +114,8 @@ def commit():
 
 
 def host_path():
-    import mpidp.runtime
-    return mpidp.runtime.state().engine.backend.routes["cpu"]
+    import mpidp.runtime.world
+    return mpidp.runtime.world.state().engine.backend.routes["cpu"]
 
 
 class Hierarchical(train_step.Contender):
@@ -155,7 +155,7 @@ def contenders(build, comm, hierarchical):
     for name, flag in (("mpidp overlap", True), ("mpidp no overlap", False)):
         m = copy.deepcopy(base)
         opt = dist_opt(m)
-        opt._overlap = flag  # what MPIDP_OVERLAP=1 / 0 decide (mpidp/overlap.py)
+        opt._overlap = flag  # what MPIDP_OVERLAP=1 / 0 decide (mpidp/training/overlap.py)
         out.append(train_step.Contender(name, m, opt))
     m = copy.deepcopy(base)
     out.append(train_step.Contender("mpidp fp16", m,

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 
 import mpidp  # noqa: E402
-from mpidp import runtime  # noqa: E402
+from mpidp.runtime import world  # noqa: E402
 
 
 def sync(device):
@@ -98,7 +98,7 @@ def main():
     comm = MPI.COMM_WORLD
     mpidp.init()
     device = pick_device(args.device)
-    path = runtime.state().engine.backend.names.get(device.type, "?")
+    path = world.state().engine.backend.names.get(device.type, "?")
     backend = ddp_backend(comm, device)
     setup_dist(comm, backend)
 

@@ -51,8 +51,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD.Dup()
     rank = comm.Get_rank()
     if rank == 0:
-        print(f"# {comm.Get_size()} ranks, data path {mpidp.runtime.state().engine.backend.names}",
-              flush=True)
+        names = mpidp.runtime.world.state().engine.backend.names
+        print(f"# {comm.Get_size()} ranks, data path {names}", flush=True)
         print(f"{'fp32 size':>10} " + " ".join(f"{c:>20}" for c in
               ("fp32", "fp16", "bf16", "fp32_widened", "raw_fp32")) + "  wire B/elem fp16 bf16")
     for nbytes in [_size(s) for s in args.sizes.split(",")]:

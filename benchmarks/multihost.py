@@ -75,7 +75,7 @@ def run_mpidp(comm, sizes, iters, min_time, hierarchical):
     import mpidp
 
     mpidp.init(hierarchical_allreduce=int(hierarchical))
-    path = mpidp.runtime.state().engine.backend.routes["cpu"]
+    path = mpidp.runtime.world.state().engine.backend.routes["cpu"]
     if path.hierarchical != hierarchical:
         raise SystemExit(f"asked for hierarchical={hierarchical}, the engine has "
                          f"{path.hierarchical}: need >1 host and >1 rank per host, equal counts")

@@ -23,7 +23,7 @@ import time
 import torch
 
 import mpidp
-from mpidp import observe
+from mpidp.runtime import observe
 
 MiB = 1024 * 1024
 CACHED_NAMES = 48            # names reused every round: they live in the response cache

@@ -77,7 +77,7 @@ def contenders(build, comm, overlap_ab=False):
     for mode in (("overlap", True), ("no overlap", False)) if overlap_ab else ():
         m = copy.deepcopy(base)
         opt = mpidp.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
-        opt._overlap = mode[1]  # what MPIDP_OVERLAP=1 / 0 would decide (mpidp/overlap.py)
+        opt._overlap = mode[1]  # what MPIDP_OVERLAP=1 / 0 would decide (mpidp/training/overlap.py)
         out.append(Contender(f"mpidp {mode[0]}", m, opt))
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     out.append(Contender("DDP (gloo)", m, sgd(m)))

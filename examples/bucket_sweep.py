@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpidp
-from mpidp import observe
+from mpidp.runtime import observe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_benchmark import cpu_count, resnet18  # noqa: E402  (the same ResNet-18)

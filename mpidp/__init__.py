@@ -1,35 +1,36 @@
 """mpidp: data-parallel training for PyTorch over MPI, Horovod-compatible (mpidp.torch as hvd)."""
 
-from .collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
-                          grouped_allgather, grouped_allreduce, grouped_allreduce_,
-                          grouped_reducescatter, reducescatter)
-from .compression import Compression
+from .ops.collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
+                              grouped_allgather, grouped_allreduce, grouped_allreduce_,
+                              grouped_reducescatter, reducescatter)
+from .ops.compression import Compression
 from .errors import (ArgumentError, CheckpointError, CheckpointNotFoundError, CollectiveError,
                      ConfigError, EngineShutdownError, HorovodInternalError, MismatchError,
                      MpidpError, NotInitializedError, OpTimeoutError)
-from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters, check_replicas)
-from .observe import start_timeline, stats, stats_window, stop_timeline
-from .optimizer import DistributedOptimizer
-from . import adasum_optimizer  # noqa: F401  (registers DistributedOptimizer(op=Adasum))
-from .sharded_optimizer import ShardedOptimizer
-from .sharded_scaler import ShardedGradScaler
-from .process_sets import (ProcessSet, add_process_set, global_process_set,
-                           remove_process_set)
-from .sync_batch_norm import SyncBatchNorm
+from .ops.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                            broadcast_parameters, check_replicas)
+from .runtime.observe import start_timeline, stats, stats_window, stop_timeline
+from .training.optimizer import DistributedOptimizer
+from .training import adasum_optimizer  # noqa: F401  (registers DistributedOptimizer(op=Adasum))
+from .sharded.optimizer import ShardedOptimizer
+from .sharded.scaler import ShardedGradScaler
+from .runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                   remove_process_set)
+from .training.sync_batch_norm import SyncBatchNorm
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_async,
                   allreduce_async_, alltoall_async, broadcast_async, broadcast_async_,
                   grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_async_,
                   grouped_reducescatter_async, poll, reducescatter_async,
                   synchronize)
-from .barrier_join import barrier, join
-from .sparse import sparse_allreduce_async
-from .runtime import init, is_initialized, rank, shutdown, size
-from .topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                       gloo_enabled, is_homogeneous, local_rank, local_size, mpi_built,
-                       mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+from .ops.barrier_join import barrier, join
+from .ops.sparse import sparse_allreduce_async
+from .runtime.world import init, is_initialized, rank, shutdown, size
+from .runtime.topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                               gloo_built, gloo_enabled, is_homogeneous, local_rank, local_size,
+                               mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                               rocm_built)
 
-from . import checkpoint, elastic  # noqa: E402,F401 (submodules as attributes: mpidp.checkpoint.save)
+from .state import checkpoint, elastic  # noqa: E402,F401 (submodules as attributes: mpidp.checkpoint.save)
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     check.add_argument("file")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from .doctor import run
+        from .tools.doctor import run
         return run(timeout=args.timeout)
     if args.command == "timeline":
         from .engine import timeline

@@ -81,7 +81,7 @@ def classify_main(stack, mode):
         return "gradient hooks (_hook and below)", sub
     if has(stack, "backward"):
         return "backward compute", ""
-    if has(stack, "synchronize", "mpidp/optimizer.py"):
+    if has(stack, "synchronize", "mpidp/training/optimizer.py"):
         if has(stack, "wait", "handles.py"):
             return "synchronize: waiting on handles", leaf_desc(stack, 0)
         return "synchronize: other", leaf_desc(stack, 0)
@@ -95,7 +95,7 @@ def classify_main(stack, mode):
     leaf = stack[-1]
     if mode == "raw" and _is(leaf, "step") and "profile_step" in leaf[1]:
         return "raw per-tensor Allreduce + div_", f"line {leaf[2]}"
-    if has(stack, "step", "mpidp/optimizer.py"):
+    if has(stack, "step", "mpidp/training/optimizer.py"):
         return "DistributedOptimizer.step other", leaf_desc(stack, 0)
     return "other (loop/timing)", leaf_desc(stack, 0)
 

@@ -1,7 +1,7 @@
 """Horovod's `horovod.torch.compression`: gradient compressors (code in mpidp/compression.py)."""
 
-from mpidp.compression import (BF16Compressor, Compression, Compressor,
-                               FP16Compressor, NoneCompressor)
+from ..ops.compression import (BF16Compressor, Compression, Compressor, FP16Compressor,
+                               NoneCompressor)
 
 __all__ = [
     "BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor",

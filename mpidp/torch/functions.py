@@ -1,7 +1,7 @@
 """Horovod's `horovod.torch.functions`: state broadcasts, object collectives (functions.py)."""
 
-from mpidp.functions import (allgather_object, broadcast_object,
-                             broadcast_optimizer_state, broadcast_parameters)
+from ..ops.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                             broadcast_parameters)
 
 __all__ = [
     "allgather_object", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",

@@ -1,23 +1,23 @@
 """Horovod's `horovod.torch.mpi_ops`: collectives, handles, basics (collectives.py, ops.py, ...)."""
 
-from mpidp.collectives import (allgather, allreduce, allreduce_, alltoall,
-                               broadcast, broadcast_, grouped_allgather, grouped_allreduce,
-                               grouped_allreduce_, grouped_reducescatter, reducescatter)
-from mpidp.barrier_join import barrier, join
+from ..ops.collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
+                               grouped_allgather, grouped_allreduce, grouped_allreduce_,
+                               grouped_reducescatter, reducescatter)
+from ..ops.barrier_join import barrier, join
 from mpidp.ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async,
                        allreduce_async, allreduce_async_, alltoall_async,
                        broadcast_async, broadcast_async_, grouped_allgather_async,
                        grouped_allreduce_async, grouped_allreduce_async_,
                        grouped_reducescatter_async, poll, reducescatter_async,
                        synchronize)
-from mpidp.sparse import sparse_allreduce_async
-from mpidp.process_sets import (ProcessSet, add_process_set,
-                                global_process_set, remove_process_set)
-from mpidp.runtime import init, is_initialized, rank, shutdown, size
-from mpidp.topology import (ccl_built, cross_rank, cross_size, cuda_built,
-                            ddl_built, gloo_built, gloo_enabled, is_homogeneous, local_rank,
-                            local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                            nccl_built, rocm_built)
+from ..ops.sparse import sparse_allreduce_async
+from ..runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                    remove_process_set)
+from ..runtime.world import init, is_initialized, rank, shutdown, size
+from ..runtime.topology import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                                gloo_built, gloo_enabled, is_homogeneous, local_rank, local_size,
+                                mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                                rocm_built)
 
 __all__ = [
     "Adasum", "add_process_set", "allgather", "allgather_async", "allreduce", "allreduce_",

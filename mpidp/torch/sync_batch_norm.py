@@ -1,6 +1,6 @@
 """Horovod's `horovod.torch.sync_batch_norm`: batch norm over all ranks (sync_batch_norm.py)."""
 
-from mpidp.sync_batch_norm import SyncBatchNorm
+from ..training.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "SyncBatchNorm",

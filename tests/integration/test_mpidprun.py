@@ -22,7 +22,7 @@ import torch
 import mpidp
 
 mpidp.init()
-cfg = mpidp.runtime.state().config
+cfg = mpidp.runtime.world.state().config
 total = mpidp.allreduce(torch.tensor([float(mpidp.rank() + 1)]), op=mpidp.Sum, name="mpidprun.sum")
 print(f"rank {mpidp.rank()}/{mpidp.size()}: fusion={cfg.fusion_threshold_bytes} "
       f"cycle={cfg.cycle_time_ms} sum={total.item():g}", flush=True)
@@ -34,7 +34,7 @@ sys.exit(int(sys.argv[1]))
 def _launcher():
     """The installed console script if this venv has it (make venv installs it), else the module."""
     script = Path(sys.executable).parent / "mpidprun"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "mpidp.launcher"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mpidp.tools.launcher"]
 
 
 def _mpidprun(*args, timeout=180):

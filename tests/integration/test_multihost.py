@@ -100,7 +100,7 @@ def test_doctor_across_three_hosts_from_the_template(clean, tmp_path):
 
 def _mpidprun():
     script = os.path.join(os.path.dirname(PY), "mpidprun")
-    return [script] if os.path.exists(script) else [PY, "-m", "mpidp.launcher"]
+    return [script] if os.path.exists(script) else [PY, "-m", "mpidp.tools.launcher"]
 
 
 def test_mpidprun_with_hosts(clean):

@@ -37,8 +37,8 @@ def mpidp_still_initialised(mpidp_session):
 
 def _unnamed_counter():
     """How many unnamed ops this rank has numbered (mpidp internals; None if not available)."""
-    from mpidp import runtime
-    return runtime.state().unnamed_count()
+    from mpidp.runtime import world
+    return world.state().unnamed_count()
 
 
 @pytest.fixture

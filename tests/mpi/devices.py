@@ -19,8 +19,8 @@ DEVICE_PARAMS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not GPU, r
 
 def cuda_path() -> str:
     """The name of the engine's data path for CUDA tensors ('' when it has none)."""
-    from mpidp import runtime
-    return runtime.state().engine.backend.names.get("cuda", "")
+    from mpidp.runtime import world
+    return world.state().engine.backend.names.get("cuda", "")
 
 
 def use_device(kind: str) -> torch.device:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mpidp
-from mpidp import observe, runtime
+from mpidp.runtime import observe, world
 from mpi_util import assert_all, gather, run_all
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,7 +41,7 @@ def _tuned_run(tag, max_rounds=3000, **knobs):
     mpidp.init(autotune=True, autotune_warmup_samples=0, autotune_samples_per_point=1,
                autotune_sample_s=0.02, **knobs)
     try:
-        engine = runtime.state().engine
+        engine = world.state().engine
         rounds = 0
         while True:
             bad = _round(tag)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import mpidp
-from mpidp import checkpoint, elastic, runtime
+from mpidp import checkpoint, elastic
+from mpidp.runtime import world
 from mpi_util import assert_all, gather, raises_all, run_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,7 +176,7 @@ def test_run_resumes_from_the_persisted_commit(shared_dir):
 def test_knob_path_is_used_and_rank0s_path_counts(shared_dir, monkeypatch):
     rank = mpidp.rank()
     path = os.path.join(shared_dir, f"knob{rank}.pt")
-    st = runtime.state()
+    st = world.state()
     monkeypatch.setattr(st, "config", dataclasses.replace(st.config, elastic_checkpoint=path))
     state = elastic.ObjectState(epoch=3)
     run_all(state.commit)

@@ -9,7 +9,7 @@ from mpi_util import assert_all, check_tensor, gather, raises_all, rank, run_all
 
 
 def _engine():
-    return mpidp.runtime.state().engine
+    return mpidp.runtime.world.state().engine
 
 
 class _Spy:

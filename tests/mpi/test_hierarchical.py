@@ -121,7 +121,7 @@ def test_through_mpidp_ops():
     mpidp.shutdown()
     mpidp.init(hierarchical_allreduce=1, simulated_local_size=NODE)
     try:
-        state = mpidp.runtime.state()
+        state = mpidp.runtime.world.state()
         routes = state.engine.backend.routes
         assert_all(mpidp.local_size() == NODE and mpidp.cross_size() == SIZE // NODE and
                    routes["cpu"].hierarchical,

@@ -17,7 +17,7 @@ def _reinit(**knobs):
 
 
 def _engine():
-    return mpidp.runtime.state().engine
+    return mpidp.runtime.world.state().engine
 
 
 @pytest.mark.mpi

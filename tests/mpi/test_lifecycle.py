@@ -56,7 +56,7 @@ def test_queries_match_comm_world():
             "mpi_threads_supported": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
     nodes.Free()
     node.Free()
-    k = mpidp.runtime.state().config.simulated_local_size
+    k = mpidp.runtime.world.state().config.simulated_local_size
     if k:  # MPIDP_SIMULATED_LOCAL_SIZE: nodes of k consecutive ranks, the last one maybe short
         want.update(local_rank=r % k, local_size=min(k, n - (r // k) * k), cross_rank=r // k,
                     cross_size=len(range(r % k, n, k)), is_homogeneous=n % k == 0)
@@ -68,7 +68,7 @@ def test_queries_match_comm_world():
                                               "rocm_built", "ddl_built", "ccl_built")}
     import torch.distributed as dist
     want_flags = {"mpi_enabled": True, "mpi_built": True,
-                  "gloo_enabled": mpidp.runtime.state().config.backend == "gloo",
+                  "gloo_enabled": mpidp.runtime.world.state().config.backend == "gloo",
                   "gloo_built": dist.is_available() and dist.is_gloo_available(),
                   "nccl_built": dist.is_available() and dist.is_nccl_available(),
                   "cuda_built": torch.backends.cuda.is_built(),

@@ -16,7 +16,7 @@ SHAPES = [(3, 4), (5,), (2, 3, 2), ()]
 
 
 def _engine():
-    return mpidp.runtime.state().engine
+    return mpidp.runtime.world.state().engine
 
 
 class _Spy:

@@ -306,15 +306,15 @@ def test_communicator_split_several_ways_gives_one_set_per_part(static):
     try:
         out = run_all(mpidp.allreduce, torch.tensor([float(rank)]), op=mpidp.Sum, process_set=ps)
         ok = (ps.ranks == mine and ps.size() == len(mine) and ps.rank() == mine.index(rank)
-              and out.item() == sum(mine) and len(mpidp.runtime.state().sets) == 3)
-        assert_all(ok, (ps, ps.ranks, out, mpidp.runtime.state().sets))
+              and out.item() == sum(mine) and len(mpidp.runtime.world.state().sets) == 3)
+        assert_all(ok, (ps, ps.ranks, out, mpidp.runtime.world.state().sets))
     finally:
         if static:
             mpidp.shutdown()
             mpidp.init()
         else:
             run_all(mpidp.remove_process_set, ps)
-            sets = mpidp.runtime.state().sets
+            sets = mpidp.runtime.world.state().sets
             assert_all(list(sets) == [0], sets)
             again = run_all(mpidp.add_process_set, list(range(0, size, 2)))  # a part, freed
             run_all(mpidp.remove_process_set, again)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import mpidp
 from mpi_util import assert_all, gather, raises_all, run_all
-from mpidp import checkpoint, shard_buffers
+from mpidp import checkpoint
+from mpidp.sharded import buffers
 
 SHARD = 4  # rows per rank
 
@@ -19,8 +20,8 @@ SHARD = 4  # rows per rank
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch):
     """Every shard here is stepped as many pieces, which do not line up with the parameters
-    (3 float64 elements each), as real models' shards are (shard_buffers.PIECE_BYTES)."""
-    monkeypatch.setattr(shard_buffers, "PIECE_BYTES", 24)
+    (3 float64 elements each), as real models' shards are (buffers.PIECE_BYTES)."""
+    monkeypatch.setattr(buffers, "PIECE_BYTES", 24)
 
 
 def _model(seed=0):
@@ -545,7 +546,7 @@ def test_a_failed_reduce_scatter_leaves_no_join_round_pending(stage, monkeypatch
     wait raises) settles that step's join flags: left pending, they were collected by the next
     step, every rank a round behind, and rank 0 joining right after waited for an
     announcement nobody made while the others waited for it (a hang)."""
-    from mpidp import runtime
+    from mpidp.runtime import world
     from mpidp.engine.messages import OpType
     model = _model()
     opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -555,7 +556,7 @@ def test_a_failed_reduce_scatter_leaves_no_join_round_pending(stage, monkeypatch
     real, failed = mpidp.ops.synchronize, []
 
     def failing(handle, *args, **kwargs):
-        scatter = runtime.state().handles.members(handle)[0].request.op == OpType.REDUCESCATTER
+        scatter = world.state().handles.members(handle)[0].request.op == OpType.REDUCESCATTER
         out = real(handle, *args, **kwargs)
         if scatter and not failed:
             failed.append(handle)

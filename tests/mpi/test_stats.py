@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mpidp
-from mpidp import observe
+from mpidp.runtime import observe
 from mpi_util import assert_all, gather, raises_all, run_all, same_everywhere, size
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,9 +35,9 @@ def test_counts_of_a_round_trip_through_coordinator_then_cache():
         assert_all(snap["collective_s"] > 0 and snap["negotiate_s"] > 0 and
                    snap["cycles"] >= 1, str(snap))
         assert_all(snap["params"] == {
-            "fusion_threshold_bytes": mpidp.runtime.state().config.fusion_threshold_bytes,
-            "fuse_below_bytes": mpidp.runtime.state().config.fuse_below_bytes,
-            "cycle_time_ms": mpidp.runtime.state().config.cycle_time_ms}, str(snap["params"]))
+            "fusion_threshold_bytes": mpidp.runtime.world.state().config.fusion_threshold_bytes,
+            "fuse_below_bytes": mpidp.runtime.world.state().config.fuse_below_bytes,
+            "cycle_time_ms": mpidp.runtime.world.state().config.cycle_time_ms}, str(snap["params"]))
     # New names go through the coordinator; the same names again are answered by the cache.
     assert_all(first["cache_misses"] == 4 and first["cache_hits"] == 0 and
                first["slow_cycles"] >= 1, f"first round: {first}")
@@ -146,9 +146,9 @@ def test_window_must_be_closed_before_it_is_read():
 
 
 def test_process_set_lookup():
-    from mpidp import runtime
-    assert_all(observe._engine(0) is runtime.state().engine and
-               observe._engine(None) is runtime.state().engine, "global set by id")
+    from mpidp.runtime import world
+    assert_all(observe._engine(0) is world.state().engine and
+               observe._engine(None) is world.state().engine, "global set by id")
     raises_all(ValueError, observe.stats, process_set=12345)
     counts = gather(observe.stats()["cycles"])
     assert_all(all(c > 0 for c in counts), str(counts))

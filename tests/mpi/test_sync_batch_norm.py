@@ -8,7 +8,7 @@ from torch import nn
 
 import mpidp
 from mpi_util import assert_all, gather, raises_all, rank, run_all, size
-from mpidp.sync_batch_norm import SyncBatchNorm, _sync_batch_norm
+from mpidp.training.sync_batch_norm import SyncBatchNorm, _sync_batch_norm
 
 C = 3
 STEPS = 3

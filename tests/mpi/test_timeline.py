@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mpidp
-from mpidp import observe, runtime
+from mpidp.runtime import observe, world
 from mpidp.engine import timeline as tlm
 from mpi_util import assert_all, raises_all, run_all
 
@@ -100,7 +100,7 @@ def test_start_and_stop_at_run_time(shared_dir):
     assert_all(exists or mpidp.rank() != 0, "rank 0 wrote no file")
     problems = _check_content(path, names, mark_cycles=True) if mpidp.rank() == 0 else ""
     assert_all(not problems, problems)
-    assert_all(runtime.state().engine.timeline is None, "timeline still attached")
+    assert_all(world.state().engine.timeline is None, "timeline still attached")
 
 
 def test_without_mark_cycles_and_restart_replaces_the_file(shared_dir):
@@ -126,7 +126,7 @@ def test_data_path_phases_nest_in_the_collective(shared_dir):
     """HostBackend reports phase ends (pack, mpi) through backend.timeline_mark; with what
     follows the last mark (unpack) they appear nested in the op's span."""
     path = os.path.join(shared_dir, "phases.json")
-    backend = runtime.state().engine.backend
+    backend = world.state().engine.backend
     run_all(observe.start_timeline, path)
     handles = [mpidp.allreduce_async(torch.ones(8), name=f"tl.ph{i}") for i in range(4)]
     run_all(lambda: [mpidp.synchronize(h) for h in handles])
@@ -164,7 +164,7 @@ def test_unwritable_path_raises_on_rank_zero_only():
         return "ok"
     got = run_all(start)
     assert_all(got == ("raised" if mpidp.rank() == 0 else "ok"), got)
-    assert_all(runtime.state().engine.timeline is None, "a timeline was attached")
+    assert_all(world.state().engine.timeline is None, "a timeline was attached")
 
 
 def test_timeline_knob_at_init_is_closed_by_shutdown(shared_dir):
@@ -191,7 +191,7 @@ def test_timeline_dynamic_writes_nothing_until_started(shared_dir, var, monkeypa
     mpidp.shutdown()
     try:
         mpidp.init()
-        attached = runtime.state().engine.timeline is not None
+        attached = world.state().engine.timeline is not None
         run_all(mpidp.allreduce, torch.ones(2), name="tl.dyn.before")
         made = os.path.exists(os.path.join(shared_dir, "DYNAMIC"))
         run_all(mpidp.start_timeline, path)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mpidp.compression import (BF16Compressor, Compression, FP16Compressor, NoneCompressor)
+from mpidp.ops.compression import (BF16Compressor, Compression, FP16Compressor, NoneCompressor)
 
 
 def test_horovod_names():

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from mpidp import config, knob_docs, unknown_vars
+from mpidp import config
+from mpidp.tools import knob_docs
+from mpidp.runtime import unknown_vars
 from mpidp.errors import ConfigError, MpidpError
 
 MiB = 1024 * 1024

@@ -1,11 +1,12 @@
-"""mpidp.knob_docs: README's knob table is the one KNOBS renders; rewriting and the CLI."""
+"""mpidp.tools.knob_docs: README's knob table is the one KNOBS renders; rewriting and the CLI."""
 
 import difflib
 from pathlib import Path
 
 import pytest
 
-from mpidp import config, knob_docs
+from mpidp import config
+from mpidp.tools import knob_docs
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

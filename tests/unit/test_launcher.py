@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mpidp import config
-from mpidp import launcher as L
+from mpidp.tools import launcher as L
 
 MiB = 1024 * 1024
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mpidp import malloc_reuse
+from mpidp.runtime import malloc_reuse
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -20,7 +20,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 # under load (NUMA balancing, reclaim) pages that were kept faulted in again (4882 faults once).
 CHURN = """
 import ctypes, json, sys, torch
-from mpidp import malloc_reuse
+from mpidp.runtime import malloc_reuse
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

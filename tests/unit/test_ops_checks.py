@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mpidp import op_args
+from mpidp.ops import op_args
 
 
 def test_grouped_op_with_two_device_kinds_is_refused_naming_the_odd_tensor():

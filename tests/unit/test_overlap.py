@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpidp import overlap
+from mpidp.training import overlap
 
 
 def _state(setting, local_size, size=None):

@@ -7,6 +7,11 @@ import pytest
 import mpidp
 import mpidp.torch as hvd
 
+# Where the code of each Horovod-named submodule lives (mpi_ops: mpidp itself).
+HOMES = {"compression": "mpidp.ops.compression", "elastic": "mpidp.state.elastic",
+         "functions": "mpidp.ops.functions", "optimizer": "mpidp.training.optimizer",
+         "sync_batch_norm": "mpidp.training.sync_batch_norm", "mpi_ops": "mpidp"}
+
 # (Horovod's submodule, names scripts import from it)
 SUBMODULES = [
     ("compression", ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]),
@@ -30,8 +35,7 @@ SUBMODULES = [
 def test_submodule_imports_resolve_to_mpidp_objects(sub, names):
     module = importlib.import_module(f"mpidp.torch.{sub}")
     assert getattr(hvd, sub) is module  # `hvd.compression.X` and `from ... import X` agree
-    # Where the code lives: mpidp's module of the same name, or for mpi_ops mpidp itself.
-    home = mpidp if sub == "mpi_ops" else importlib.import_module(f"mpidp.{sub}")
+    home = importlib.import_module(HOMES[sub])
     for name in names:
         assert getattr(module, name) is getattr(home, name), f"mpidp.torch.{sub}.{name}"
 

@@ -1,6 +1,6 @@
 """Horovod's `horovod.torch.elastic`: state, sampler, retry loop (code in mpidp/elastic.py)."""
 
-from mpidp.elastic import ElasticSampler, ObjectState, State, TorchState, run
+from ...state.elastic import ElasticSampler, ObjectState, State, TorchState, run
 
 __all__ = [
     "ElasticSampler", "ObjectState", "run", "State", "TorchState",

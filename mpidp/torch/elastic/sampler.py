@@ -1,5 +1,5 @@
 """Horovod's `horovod.torch.elastic.sampler` (code in mpidp/elastic_sampler.py)."""
 
-from mpidp.elastic import ElasticSampler
+from ...state.elastic import ElasticSampler
 
 __all__ = ["ElasticSampler"]

@@ -1,5 +1,5 @@
 """Horovod's `horovod.torch.elastic.state` (code in mpidp/elastic.py)."""
 
-from mpidp.elastic import ObjectState, State, TorchState
+from ...state.elastic import ObjectState, State, TorchState
 
 __all__ = ["ObjectState", "State", "TorchState"]

@@ -39,7 +39,7 @@ def fault() -> None:
     if args.mode == "stall":
         time.sleep(3600)  # stops submitting, as a rank stuck in data loading or a deadlock would
     if args.mode in ("engine", "engine_caught"):
-        engine = mpidp.runtime.state().engine
+        engine = mpidp.runtime.world.state().engine
 
         def broken_cycle(*args):
             raise OSError("injected engine failure")
@@ -56,7 +56,7 @@ def fault() -> None:
 
 
     if args.mode == "datapath":
-        host = mpidp.runtime.state().engine.backend.routes["cpu"]
+        host = mpidp.runtime.world.state().engine.backend.routes["cpu"]
 
         def broken_pack(*_args, **_kwargs):
             raise MemoryError("injected failure while packing a fusion buffer")

@@ -53,7 +53,7 @@ check(not os.environ.get("MPIDP_SIMULATED_LOCAL_SIZE"), "simulated nodes in a mu
 
 # -- the allreduce path --------------------------------------------------------------------------
 # The data path the engine picked for CPU tensors (MPI on host memory here).
-cpu_path = mpidp.runtime.state().engine.backend.routes["cpu"]
+cpu_path = mpidp.runtime.world.state().engine.backend.routes["cpu"]
 check(cpu_path.hierarchical == args.hierarchical,
       f"engine hierarchical={cpu_path.hierarchical}, expected {args.hierarchical}")
 

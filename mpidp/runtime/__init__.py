@@ -1,0 +1,1 @@
+"""The runtime wing: init and shutdown, the world, process sets, topology, observation."""

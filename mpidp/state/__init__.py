@@ -1,0 +1,1 @@
+"""The state wing: checkpoints (whole and sharded), elastic-style state, per-rank RNG."""

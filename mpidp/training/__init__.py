@@ -1,0 +1,1 @@
+"""The training wing: DistributedOptimizer and its buckets, hooks and passes; SyncBatchNorm."""

@@ -1,0 +1,300 @@
+"""DistributedOptimizer: wraps any torch optimizer; gradients are reduced in buckets when ready."""
+
+import itertools
+import warnings
+from typing import Dict
+
+import torch
+
+from ..ops.eager import eager
+from ..ops import op_args
+from .. import ops
+from . import overlap, param_layout, pass_guard, wrapped
+from ..runtime import world
+from ..ops.sparse import sparse_allreduce_async
+from .buckets import Bucket
+from .closure import reduced as reduced_closure
+from ..runtime.process_sets import is_outside, member_of
+from ..ops.compression import Compression
+from ..ops import Average
+
+
+_created = itertools.count()
+
+
+class DistributedOptimizer(param_layout.ParamLayout):
+    """Wraps `optimizer`; averages gradients across ranks, overlapping the backward pass.
+
+    As in Horovod, its class is built from the wrapped optimizer's: `isinstance(opt,
+    torch.optim.SGD)` holds for a wrapped SGD. The state stays in the wrapped optimizer, reached
+    through this one (wrapped.OptimizerWrapper), so LR schedulers and GradScaler work unchanged.
+    """
+
+    # Whether a backward pass that readies every gradient waits for their reduction (the
+    # `reduce_in_backward` knob); the variants that reduce otherwise say no.
+    completes_in_backward = True
+    # Reduce ops whose optimizer works otherwise register their subclass here, so that this
+    # module never imports it (op=Adasum reduces updates, not gradients: adasum_optimizer.py).
+    variants: dict = {}
+
+    def __new__(cls, *args, **kwargs):
+        op = kwargs.get("op", args[4] if len(args) > 4 else None)
+        if cls is DistributedOptimizer and isinstance(op, int):
+            cls = DistributedOptimizer.variants.get(op, cls)
+        return super().__new__(wrapped.mixed(cls, kwargs.get("optimizer",
+                                                             args[0] if args else None)))
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step: int = 1, op=Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 sparse_as_dense: bool = False, process_set=None):
+        # torch.optim.Optimizer.__init__ is deliberately not called: the state lives in the
+        # wrapped optimizer, and attribute access falls through to it.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            # Two wrappers would hook every parameter twice, and the second submission of a
+            # gradient would be refused as "already in flight", which hides the real mistake.
+            raise ValueError("DistributedOptimizer: this optimizer is already a "
+                             "DistributedOptimizer; wrap the plain torch optimizer once (pass "
+                             "`opt` rather than `DistributedOptimizer(opt)`)")
+        # A rank outside the set does what Horovod does there: no hooks, synchronize() does
+        # nothing, step() applies the local gradients. Any other bad set is refused here.
+        self._outside = is_outside(process_set)
+        member = None if self._outside else member_of(process_set, "DistributedOptimizer")[1]
+        op = op_args.resolve_op(None, op, "DistributedOptimizer", member and member.size)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        if gradient_predivide_factor <= 0:
+            raise ValueError("gradient_predivide_factor must be > 0")
+        self.__dict__["_opt"] = optimizer
+        self._process_set = process_set
+        self._set_id = None if member is None else member.set_id
+        # Kept whole: parameters added or unfrozen later are named from it too.
+        self._named_list = None if named_parameters is None else list(named_parameters)
+        self._grouping = (num_groups, groups)
+        self._compression = compression
+        self._op = op
+        # Predivide: divide by the factor before the sum, multiply by it after (where the
+        # engine also divides by size for Average).
+        self._pre = 1.0 / gradient_predivide_factor
+        self._post_factor = gradient_predivide_factor
+        # Only this class's own submission reduces sparse gradients as sparse ops.
+        self._sparse_ops = not (sparse_as_dense or self._outside or
+                                type(self)._submit is not DistributedOptimizer._submit)
+        self._passes_per_step = 1
+        self.set_backward_passes_per_step(backward_passes_per_step)
+        self._passes: Dict[torch.nn.Parameter, int] = {}
+        self._synchronized, self._should_sync = False, True
+        self._counting, self._warned_double_sync = True, False
+        # _completed: this step's gradients were reduced when its last backward pass ended.
+        self._completed = self._end_queued = False
+        self._backwards = 0  # backward passes of this step that reached the parameters
+        self._seq = next(_created)  # the same on every rank: they create optimizers alike
+        self._in_backward = self.completes_in_backward and \
+            world.state().config.reduce_in_backward
+        self._hooks = []
+        self._guards = pass_guard.Guards([], self._before_accumulation)
+        self._layout()
+        self._overlap = overlap.decide(world.state(), self._trained)
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self._opt!r})"
+
+    def _in_flight(self) -> bool:
+        """A step has begun: some bucket is submitted, or has gradients waiting for step()."""
+        return any(b.submitted or b.ready for b in self._buckets)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """How many backward passes accumulate before a gradient is reduced."""
+        if not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        self._passes_per_step = passes
+
+    def _too_many_passes(self, p) -> RuntimeError:
+        return pass_guard.too_many_passes(self._names[p], self._passes_per_step,
+                                          self._overlap)
+
+    def _before_accumulation(self, p, grad) -> None:
+        # Nothing is in flight once the step completed (torch.autograd.grad after backward
+        # passes here too, and accumulates nothing).
+        if self._counting and self._passes.get(p, 0) >= self._passes_per_step \
+                and not self._completed:
+            raise self._too_many_passes(p)
+
+    def _hook(self, p) -> None:
+        if not self._counting:
+            return
+        if self._completed:
+            # Another backward pass after the step was reduced in one: its gradients add to
+            # the averaged ones, and are reduced in turn (linear: as DDP accumulates).
+            self._end_step()
+        if not self._passes:  # the step's first gradient
+            self._follow_requires_grad()
+        if self._in_backward and not self._end_queued:  # this backward pass's first
+            self._end_queued = pass_guard.at_backward_end(self._seq,
+                                                          pass_guard.weak(self._backward_ended))
+        count = self._passes.get(p, 0) + 1
+        self._passes[p] = count
+        if count < self._passes_per_step:
+            return
+        bucket = self._bucket_of.get(p)
+        if bucket is None:  # torch handed on another tensor: an earlier hook returned it
+            raise RuntimeError("a post-accumulate-grad hook registered before "
+                               "DistributedOptimizer's returned a value; such hooks must "
+                               "return None")
+        if count > self._passes_per_step or bucket.submitted:
+            raise self._too_many_passes(p)
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params) and self._overlap:
+            self._submit(bucket)
+
+    def _grad_of(self, p) -> torch.Tensor:
+        if p.grad is None:
+            # Ranks whose loss did not touch p still contribute (zeros), so no rank waits.
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            self._is_sparse.densify(p)  # sparse_as_dense, or a parameter agreed dense
+        # A complex gradient is reduced as its real and imaginary parts (a view, as DDP does).
+        return torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
+
+    def _submit(self, bucket: Bucket) -> None:
+        """One op for the bucket's dense gradients (Bucket.start) and one per sparse
+        gradient."""
+        bucket.submitted = True
+        sparse = [p for p in bucket.params if self._is_sparse(p)]
+        if sparse:  # by identity: `in` on tensors would compare their values
+            ids = {id(p) for p in sparse}
+            dense = [p for p in bucket.params if id(p) not in ids]
+        else:
+            dense = bucket.params
+        # Horovod reduces sparse gradients by gathering every rank's indices and values; the
+        # op is Average or Sum as asked, with no compression (there is no dense buffer to cast).
+        bucket.sparse = [(p, sparse_allreduce_async(
+            p.grad, name=f"{self._names[p]}.sparse", op=self._op, process_set=self._process_set))
+            for p in sparse]
+        bucket.dense = dense
+        if not dense:
+            bucket.wires = bucket.ctxs = ()
+            return
+        # Average's 1/size is applied by the engine (scaling.py) after the predivided sum.
+        op, post = self._op, self._post_factor
+        wires, ctxs = [], []
+        for p in dense:
+            wire, ctx = self._compression.compress(self._grad_of(p))
+            if not wire.is_contiguous():  # channels_last or transposed: reduce a packed copy
+                wire = wire.contiguous()  # (synchronize copies the result back into p.grad)
+            wires.append(wire)
+            ctxs.append(ctx)
+        bucket.wires, bucket.ctxs = wires, ctxs
+        # A bucket op covering only some parameters has no kept request.
+        bucket.start(wires, op, self._pre, post, self._process_set, keep=not sparse)
+
+    def _backward_ended(self) -> None:
+        """A backward pass that reached this optimizer's parameters ended: the step's
+        `backward_passes_per_step`-th reduces every gradient (zeros for parameters it did not
+        reach) before backward() returns, as DDP does; the count is the same on every rank
+        whatever parameters each one's loss reached. A backward nested in another (reentrant
+        checkpointing) is part of the outer one, whose end counts."""
+        self._end_queued = pass_guard.after_outer_node(self._seq,
+                                                       pass_guard.weak(self._backward_ended))
+        if self._end_queued:  # nested: the outer pass's end counts
+            return
+        self._backwards += 1
+        if not self._completed and self._backwards >= self._passes_per_step:
+            self._reduce()
+            self._completed = True
+
+    # ---- user-facing steps ----
+
+    @eager
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced; submit any bucket that was not (zeros for
+        parameters without a gradient). Synchronization: blocks until every rank has
+        submitted the same buckets (nothing more when the backward pass already did)."""
+        if not self._completed:
+            self._reduce()
+        self._end_step()
+        self._synchronized = True
+
+    def _reduce(self) -> None:
+        """Submit what is left, wait for every bucket, put the results in .grad."""
+        self._follow_requires_grad()  # first: a new layout has its sparse kinds agreed anew
+        kinds = self._is_sparse
+        if kinds.pending and not kinds.as_dense:  # they decide how buckets are submitted
+            kinds.agree(self._buckets, self._process_set)
+        with ops.blocking():  # waited for right below: run here, not handed to the engine
+            self._submit_rest()
+        if kinds.pending:  # sparse_as_dense: from the layouts every gradient had before
+            kinds.agree(self._buckets, self._process_set)
+        try:
+            for bucket in self._buckets:
+                handle, bucket.handle = bucket.handle, None
+                if handle is not None:
+                    ops.synchronize(handle)
+                for p, wire, ctx in zip(bucket.dense, bucket.wires, bucket.ctxs):
+                    if ctx is not None or wire is not p.grad:
+                        out = self._compression.decompress(wire, ctx)
+                        p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
+                    kinds.restore(p)  # the layout the wrapped optimizer takes
+                for p, sparse_handle in bucket.sparse:
+                    p.grad = ops.synchronize(sparse_handle)
+        except BaseException:
+            self._end_step()
+            raise
+
+    def _submit_rest(self) -> None:
+        """Submit every bucket the hooks have not."""
+        self._follow_requires_grad()
+        for bucket in self._buckets:
+            if not bucket.submitted:
+                self._submit(bucket)
+
+    def _end_step(self) -> None:
+        """Every bucket empty and every pass count zero again: the next step may start."""
+        for bucket in self._buckets:
+            bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
+            bucket.submitted, bucket.dense, bucket.sparse = False, [], []
+        self._passes.clear()
+        self._completed, self._end_queued, self._backwards = False, False, 0
+
+    def skip_synchronize(self):
+        """Inside, step() does not synchronize (use after an explicit synchronize())."""
+        return pass_guard.cleared(self, "_should_sync")
+
+    def no_sync(self):
+        """Inside, backward passes accumulate gradients locally without counting or reducing."""
+        return pass_guard.cleared(self, "_counting")
+
+    def step(self, closure=None):
+        """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer.
+        A closure is reduced at each call: the gradients it makes are averaged, and so is the
+        loss it returns (detached), so that LBFGS decides alike on every rank. Synchronization:
+        synchronize()'s, and one allreduce of the loss per call of the closure."""
+        if self._should_sync:
+            if self._synchronized and not self._in_flight() and not self._warned_double_sync:
+                # Horovod's words first: scripts and tests match on them.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): gradients are reduced a second "
+                              "time; step inside `with optimizer.skip_synchronize():`",
+                              UserWarning, stacklevel=2)
+                self._warned_double_sync = True
+            if closure is None or self._in_flight():
+                self.synchronize()
+            if closure is not None:
+                closure = reduced_closure(self, closure)
+        self._synchronized = False
+        return self._opt.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear gradients; refuses while reductions are in flight (call step() first); the
+        gradients of a step the backward pass already reduced are dropped (a skipped step)."""
+        if self._completed:
+            self._end_step()
+        if self._in_flight():
+            raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
+                             "before optimizer.step() or optimizer.synchronize(); gradients "
+                             "are being reduced. Call step() (or synchronize()) first. "
+                             + pass_guard.OTHER_BACKWARD)
+        return self._opt.zero_grad(set_to_none=set_to_none)
