@@ -30,7 +30,7 @@ from .runtime.topology import (ccl_built, cross_rank, cross_size, cuda_built, dd
                                mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                                rocm_built)
 
-from .state import checkpoint, elastic  # noqa: E402,F401 (submodules as attributes: mpidp.checkpoint.save)
+from . import checkpoint, elastic  # noqa: E402,F401 (submodules as attributes: mpidp.checkpoint.save)
 
 __version__ = "0.1.0"
 
