@@ -22,7 +22,7 @@ def join(device: int = -1) -> int:
     contribute zeros to the others', on the global set and on every process set it is in (a
     DistributedOptimizer on a set goes on without it). Blocks until all ranks joined; returns
     the last to join. Meanwhile a ShardedOptimizer's shard on this rank keeps being stepped
-    (sharded_join.py). Synchronization: every rank (and, while serving, the optimizer's steps on
+    (sharded/join.py). Synchronization: every rank (and, while serving, the optimizer's steps on
     the others)."""
     state, world = member_of(None, "join")
     server = state.join_hook() if state.join_hook is not None else None

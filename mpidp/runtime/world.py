@@ -32,7 +32,7 @@ class _State:
         self.next_set_id = 1
         self.set_lock = threading.Lock()
         self.thread_multiple = False  # MPI runs at MPI_THREAD_MULTIPLE (set by init())
-        # Set by the training layer (sharded_join.py): join() calls it for what this rank must
+        # Set by the training layer (sharded/join.py): join() calls it for what this rank must
         # keep doing while joined (None, or an object with `prefixes` and `serve()`).
         self.join_hook = None
         # Read once: a peer's shutdown() frees the communicators while this rank may still ask.

@@ -6,7 +6,7 @@ DistributedOptimizer, one bucket per parameter group, dtype and device):
    through the engine, overlapping the rest of the backward pass: each rank gets the averaged
    gradient of its equal chunk of the bucket (shard_layout.Layout);
 2. step() steps the wrapped optimizer on this rank's chunks only (its param_groups hold each
-   chunk in pieces, shard_buffers.py, in place of the parameters, so its state is 1/N of the
+   chunk in pieces, buffers.py, in place of the parameters, so its state is 1/N of the
    unsharded one);
 3. the updated chunks are allgathered in place into the parameters' buffers.
 Reduce-scatter plus allgather move what one allreduce moves. stage=1 moves each gradient, as

@@ -34,7 +34,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         local = sum((v.double().sum() for v in found.values()),
                     torch.zeros((), dtype=torch.float64))
-        rounds = getattr(optimizer, "_join", None)  # a ShardedOptimizer's (sharded_join.py)
+        rounds = getattr(optimizer, "_join", None)  # a ShardedOptimizer's (join.py)
         if rounds is not None:
             rounds.announce("unscale", self._scale.double().reciprocal().float().item())
         flag = (_agree(local, getattr(optimizer, "_process_set", None)) > 0).float()
@@ -85,7 +85,7 @@ def _agree(local: torch.Tensor, process_set) -> torch.Tensor:
 
 
 def unscale_joined(optimizer, inv_scale: float) -> None:
-    """unscale_() on a joined rank serving a ShardedOptimizer (sharded_join.py): unscale this
+    """unscale_() on a joined rank serving a ShardedOptimizer (join.py): unscale this
     rank's chunks of the reduced gradients by the training ranks' `inv_scale` and take part in
     agreeing on the inf/NaN flag. Synchronization: one scalar allreduce over the set."""
     grads = [s.grad for s in optimizer._shards if s.grad is not None]

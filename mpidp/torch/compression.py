@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.compression`: gradient compressors (code in mpidp/compression.py)."""
+"""Horovod's `horovod.torch.compression`: gradient compressors (code in ops/compression.py)."""
 
 from ..ops.compression import (BF16Compressor, Compression, Compressor, FP16Compressor,
                                NoneCompressor)

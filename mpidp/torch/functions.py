@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.functions`: state broadcasts, object collectives (functions.py)."""
+"""Horovod's `horovod.torch.functions`: state broadcasts, object collectives (ops/functions.py)."""
 
 from ..ops.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                              broadcast_parameters)

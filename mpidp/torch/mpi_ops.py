@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.mpi_ops`: collectives, handles, basics (collectives.py, ops.py, ...)."""
+"""Horovod's `horovod.torch.mpi_ops`: collectives, handles, basics (ops/, runtime/)."""
 
 from ..ops.collectives import (allgather, allreduce, allreduce_, alltoall, broadcast, broadcast_,
                                grouped_allgather, grouped_allreduce, grouped_allreduce_,

@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.optimizer`: the distributed optimizer (code in mpidp/optimizer.py)."""
+"""Horovod's `horovod.torch.optimizer`: the distributed optimizer (training/optimizer.py)."""
 
 from ..training.optimizer import DistributedOptimizer
 

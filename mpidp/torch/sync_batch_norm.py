@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.sync_batch_norm`: batch norm over all ranks (sync_batch_norm.py)."""
+"""Horovod's `horovod.torch.sync_batch_norm`: batch norm over all ranks (training/)."""
 
 from ..training.sync_batch_norm import SyncBatchNorm
 

@@ -39,7 +39,7 @@ def single(name, op, tensor, output=None, extra=None, first_dims=(), **kw):
     """A one-response batch and its entry."""
     req = request(name, op, tensor, **kw)
     if output is None and op in (OpType.ALLREDUCE, OpType.BROADCAST):
-        output = tensor  # in place; the other ops make their output unless given one (ops.py)
+        output = tensor  # in place; the other ops make their output unless given one (mpidp/ops/)
     return ([Response(name, op, req, first_dims=tuple(first_dims))],
             [entry(req, tensor, output, extra)])
 

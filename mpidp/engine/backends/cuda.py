@@ -5,11 +5,11 @@ staging logic runs in tests as its CPU twin (`StagedBackend(inner, pin_memory=Fa
 tensors, where the "device" copies are CPU to CPU and the stream waits are no-ops).
 
 Stream ordering, conservatively: the engine runs on its own thread, whose current stream is not
-the stream that produced a tensor (ops.py records none), so before a batch touches device memory
+the stream that produced a tensor (ops/ records none), so before a batch touches device memory
 the whole device is synchronized (every stream, the producer's included). After the batch, the
 engine thread's stream is synchronized before the handles complete, so a consumer on any stream
 that waits for the handle sees the result. Recording a CUDA event at submission and waiting on
-that event alone would be cheaper; it needs ops.py to record one.
+that event alone would be cheaper; it needs ops/ to record one.
 """
 
 from typing import List, Optional

@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.elastic`: state, sampler, retry loop (code in mpidp/elastic.py)."""
+"""Horovod's `horovod.torch.elastic`: state, sampler, retry loop (code in state/elastic.py)."""
 
 from ...state.elastic import ElasticSampler, ObjectState, State, TorchState, run
 

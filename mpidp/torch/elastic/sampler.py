@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.elastic.sampler` (code in mpidp/elastic_sampler.py)."""
+"""Horovod's `horovod.torch.elastic.sampler` (code in mpidp/state/elastic_sampler.py)."""
 
 from ...state.elastic import ElasticSampler
 

@@ -1,4 +1,4 @@
-"""Horovod's `horovod.torch.elastic.state` (code in mpidp/elastic.py)."""
+"""Horovod's `horovod.torch.elastic.state` (code in mpidp/state/elastic.py)."""
 
 from ...state.elastic import ObjectState, State, TorchState
 
