@@ -83,7 +83,7 @@ class Alltoall(torch.autograd.Function):
 def _reducescatter_grad_scale(op, pre, post, ps) -> float:
     """Horovod's rule: every rank's output gradient gathered, times size for Sum (1 for
     Average), times the scale factors. That is size times the gradient of the sum of the ranks'
-    losses; kept so that a script moved from Horovod gets the same numbers (README)."""
+    losses; kept so that a script moved from Horovod gets the same numbers (docs/collectives.md)."""
     return pre * post * (_size(ps) if op == Sum else 1)
 
 

@@ -8,7 +8,7 @@ from ..config import KNOBS, MiB, Knob
 
 BEGIN = "<!-- knobs:begin -->"
 END = "<!-- knobs:end -->"
-COMMAND = "python -m mpidp.tools.knob_docs --write README.md"
+COMMAND = "python -m mpidp.tools.knob_docs --write docs/knobs.md"
 
 
 def _default(knob: Knob) -> str:
@@ -54,7 +54,7 @@ def _bounds(text: str):
 
 
 def section(text: str) -> str:
-    """What `text` (a README) holds between the BEGIN and END lines; ValueError without them."""
+    """What `text` (docs/knobs.md) holds between the BEGIN and END lines; ValueError if none."""
     start, stop = _bounds(text)
     return text[start:stop]
 
@@ -68,7 +68,7 @@ def rewrite(text: str, block: Optional[str] = None) -> str:
 
 def describe() -> str:
     """Every knob in plain text, a line each: variables, default, doc (render() makes the
-    README's markdown table)."""
+    markdown table of docs/knobs.md)."""
     lines = []
     for k in KNOBS:
         alias = f" (alias {k.horovod})" if k.horovod else ""

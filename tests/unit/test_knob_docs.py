@@ -1,4 +1,4 @@
-"""mpidp.tools.knob_docs: README's knob table is the one KNOBS renders; rewriting and the CLI."""
+"""mpidp.tools.knob_docs: docs/knobs.md's table is the one KNOBS renders; rewriting, the CLI."""
 
 import difflib
 from pathlib import Path
@@ -8,15 +8,15 @@ import pytest
 from mpidp import config
 from mpidp.tools import knob_docs
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+KNOBS_DOC = Path(__file__).resolve().parents[2] / "docs" / "knobs.md"
 
 
-def test_readme_knob_table_is_rendered_from_knobs():
-    text = README.read_text(encoding="utf-8")
+def test_the_knob_table_is_rendered_from_knobs():
+    text = KNOBS_DOC.read_text(encoding="utf-8")
     have, want = knob_docs.section(text), knob_docs.render()
     diff = "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                        "README.md", "rendered from KNOBS"))
-    assert have == want, (f"README.md's knob table differs from KNOBS; regenerate it with "
+                                        "docs/knobs.md", "rendered from KNOBS"))
+    assert have == want, (f"docs/knobs.md's knob table differs from KNOBS; regenerate it with "
                           f"`{knob_docs.COMMAND}`\n{diff}")
 
 
