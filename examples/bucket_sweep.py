@@ -13,7 +13,7 @@ untimed ones) with mpidp.DistributedOptimizer, and once more per round with no w
                    communication that overlaps the backward pass counting only for what it
                    delays. Noise can push it slightly below 0 when communication costs little.
 
-and, from mpidp's stats_window() (mpidp.observe) around rank 0's timed steps (mpidp's own counters):
+and, from mpidp's stats_window() around rank 0's timed steps (mpidp's own counters):
 
     engine_busy    time the engine spent in collectives / wall time: the share of the step the
                    data path was busy, overlapped or not (an upper bound on comm_fraction)

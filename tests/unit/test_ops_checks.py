@@ -1,4 +1,4 @@
-"""Argument checks in mpidp.op_args that need no engine: devices of grouped ops, split lists."""
+"""Argument checks in mpidp.ops.op_args that need no engine: devices of grouped ops, split lists."""
 
 import pytest
 import torch
