@@ -14,8 +14,8 @@ class Allreduce(torch.autograd.Function):
     def forward(ctx, tensor, name, op, pre, post, ps):
         ctx.op, ctx.pre, ctx.post, ctx.ps = op, pre, post, ps
         return synchronize(allreduce_ops.allreduce_async(tensor, name=name, op=op,
-                                                   prescale_factor=pre, postscale_factor=post,
-                                                   process_set=ps))
+                                                         prescale_factor=pre, postscale_factor=post,
+                                                         process_set=ps))
 
     @staticmethod
     def backward(ctx, grad):
@@ -37,7 +37,7 @@ class Allgather(torch.autograd.Function):
     def backward(ctx, grad):
         # Horovod averages the gathered gradient, then each rank keeps its own rows.
         reduced = synchronize(allreduce_ops.allreduce_async(grad.contiguous(), op=Average,
-                                                      process_set=ctx.ps))
+                                                            process_set=ctx.ps))
         dims = synchronize(gather_ops.allgather_async(torch.tensor([ctx.dim0]), process_set=ctx.ps))
         offset = int(dims[: _rank(ctx.ps)].sum())
         part = reduced.narrow(0, offset, ctx.dim0)
@@ -53,7 +53,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         reduced = synchronize(allreduce_ops.allreduce_async(grad.contiguous(), op=Average,
-                                                      process_set=ctx.ps))
+                                                            process_set=ctx.ps))
         if world.rank() != ctx.root:  # root_rank is a global rank
             reduced.zero_()
         return reduced, None, None, None
@@ -74,7 +74,7 @@ class Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _):
         back, _ = synchronize(gather_ops.alltoall_async(grad.contiguous(), splits=ctx.received,
-                                                     process_set=ctx.ps))
+                                                        process_set=ctx.ps))
         if back.shape[0] < ctx.dim0:  # rows this rank never sent get no gradient
             back = torch.cat([back, back.new_zeros((ctx.dim0 - back.shape[0],) + back.shape[1:])])
         return back, None, None, None
@@ -93,8 +93,8 @@ class Reducescatter(torch.autograd.Function):
         ctx.scale = _reducescatter_grad_scale(op, pre, post, ps)
         ctx.ps = ps
         return synchronize(gather_ops.reducescatter_async(tensor, name=name, op=op,
-                                                       prescale_factor=pre,
-                                                       postscale_factor=post, process_set=ps))
+                                                          prescale_factor=pre,
+                                                          postscale_factor=post, process_set=ps))
 
     @staticmethod
     def backward(ctx, grad):
@@ -136,7 +136,7 @@ class GroupedAllgather(torch.autograd.Function):
         ctx.scalars = [t.dim() == 0 for t in tensors]
         ctx.ps = ps
         return tuple(synchronize(gather_ops.grouped_allgather_async(list(tensors), name=name,
-                                                                 process_set=ps)))
+                                                                    process_set=ps)))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -144,7 +144,7 @@ class GroupedAllgather(torch.autograd.Function):
             [g.contiguous() for g in grads], op=Average, process_set=ctx.ps))
         k = len(ctx.dim0s)
         dims = synchronize(gather_ops.allgather_async(torch.tensor(ctx.dim0s),
-                                                   process_set=ctx.ps)).reshape(-1, k)
+                                                      process_set=ctx.ps)).reshape(-1, k)
         offsets = dims[: _rank(ctx.ps)].sum(0)
         parts = []
         for j, (full, dim0) in enumerate(zip(reduced, ctx.dim0s)):
@@ -167,7 +167,7 @@ class GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         full = synchronize(gather_ops.grouped_allgather_async([g.contiguous() for g in grads],
-                                                           process_set=ctx.ps))
+                                                              process_set=ctx.ps))
         if ctx.scale != 1:
             full = [f * ctx.scale for f in full]
         return (None, None, None, None, None) + tuple(full)

@@ -36,7 +36,7 @@ def _compressed(rule, start, tensor, compression, name, op, pre, post, ps):
         out = rule.apply(wire, name, op, pre, post, ps)
     else:
         out = synchronize(start(wire, name=name, op=op, prescale_factor=pre,
-                                    postscale_factor=post, process_set=ps))
+                                postscale_factor=post, process_set=ps))
     return compression.decompress(out, ctx)
 
 
@@ -77,7 +77,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 @_blocking
 def _allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
     return synchronize(allreduce_ops.allreduce_async_(tensor, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+                                                      postscale_factor, process_set))
 
 
 @_blocking
@@ -102,8 +102,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                        postscale_factor=1.0, process_set=None):
     """In-place form of grouped_allreduce. Blocks."""
     return synchronize(allreduce_ops.grouped_allreduce_async_(tensors, average, name, op,
-                                                        prescale_factor, postscale_factor,
-                                                        process_set))
+                                                              prescale_factor, postscale_factor,
+                                                              process_set))
 
 
 @_blocking
@@ -121,7 +121,7 @@ def grouped_allgather(tensors, name=None, process_set=None):
     if any(_wants_grad(t) for t in tensors):
         return list(autograd.GroupedAllgather.apply(name, process_set, *tensors))
     return synchronize(gather_ops.grouped_allgather_async(tensors, name=name,
-                                                       process_set=process_set))
+                                                          process_set=process_set))
 
 
 @_blocking
@@ -131,14 +131,14 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
     if _wants_grad(tensor):
         return autograd.Broadcast.apply(tensor, root_rank, name, process_set)
     return synchronize(gather_ops.broadcast_async(tensor, root_rank, name=name,
-                                               process_set=process_set))
+                                                  process_set=process_set))
 
 
 @_blocking
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with global rank `root_rank`'s; returns it. Blocks."""
     return synchronize(gather_ops.broadcast_async_(tensor, root_rank, name=name,
-                                                process_set=process_set))
+                                                   process_set=process_set))
 
 
 @_blocking
@@ -149,7 +149,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
         out, received = autograd.Alltoall.apply(tensor, splits, name, process_set)
         return (out, received) if splits is not None else out
     return synchronize(gather_ops.alltoall_async(tensor, splits=splits, name=name,
-                                              process_set=process_set))
+                                                 process_set=process_set))
 
 
 def _compressor(compression, what: str):

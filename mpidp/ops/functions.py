@@ -42,8 +42,8 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
         data = tensor.data
         packed = data if data.is_contiguous() else data.contiguous()
         handles.append((gather_ops.broadcast_async_(_real(packed), root_rank,
-                                             name=f"broadcast_parameters.{name}",
-                                             process_set=process_set), data, packed))
+                                                    name=f"broadcast_parameters.{name}",
+                                                    process_set=process_set), data, packed))
     for handle, data, packed in handles:
         synchronize(handle)
         if packed is not data:
@@ -78,12 +78,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set
     data, failed = _dumps(obj) if rank == root_rank else (b"", 0)
     payload = _bytes_tensor(data)
     header = synchronize(gather_ops.broadcast_async(torch.tensor([payload.numel(), failed]),
-                                                 root_rank, name=f"{name}.length",
-                                                 process_set=process_set))
+                                                    root_rank, name=f"{name}.length",
+                                                    process_set=process_set))
     if rank != root_rank:
         payload = torch.empty(int(header[0]), dtype=torch.uint8)
     synchronize(gather_ops.broadcast_async_(payload, root_rank, name=f"{name}.bytes",
-                                         process_set=process_set))
+                                            process_set=process_set))
     if int(header[1]):
         raise MpidpError(f"{name}: rank {root_rank} could not pickle the object: "
                          f"{payload.numpy().tobytes().decode(errors='replace')}")
@@ -99,9 +99,9 @@ def allgather_object(obj: Any, name: str = None, process_set=None) -> List[Any]:
     raw, failed = _dumps(obj)
     data = _bytes_tensor(raw)
     heads = synchronize(gather_ops.allgather_async(torch.tensor([[data.numel(), failed]]),
-                                                name=f"{name}.length", process_set=process_set))
+                                                   name=f"{name}.length", process_set=process_set))
     gathered = synchronize(gather_ops.allgather_async(data, name=f"{name}.bytes",
-                                                   process_set=process_set)).numpy()
+                                                      process_set=process_set)).numpy()
     offsets = np.concatenate(([0], np.cumsum(heads[:, 0].numpy())))
     parts = [gathered[offsets[i]:offsets[i + 1]].tobytes() for i in range(len(heads))]
     bad = [i for i in range(len(heads)) if int(heads[i, 1])]
@@ -209,7 +209,7 @@ def check_replicas(model, name: str = None) -> None:
     sums = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
             if t.numel() else 0 for _, t in items]
     table = synchronize(gather_ops.allgather_async(torch.tensor([sums], dtype=torch.int64),
-                                                name=name or "check_replicas"))
+                                                   name=name or "check_replicas"))
     bad = {}
     for r in range(1, table.shape[0]):
         diff = [items[i][0] for i in np.flatnonzero((table[r] != table[0]).numpy())]

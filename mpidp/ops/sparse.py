@@ -83,8 +83,8 @@ class SparseGradients:
                          for p in params]
             with submission.blocking():  # waited for right below
                 handle = allreduce_ops.allreduce_async(torch.tensor(local, dtype=torch.int32),
-                                             name=f"mpidp.sparse_kinds.{tag}", op=Max,
-                                             process_set=process_set)
+                                                       name=f"mpidp.sparse_kinds.{tag}", op=Max,
+                                                       process_set=process_set)
             agreed = synchronize(handle).tolist()
             self._dims = {p: int(d) for p, d in zip(params, agreed) if d}
         self.pending = False

@@ -254,7 +254,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if self._outside:
             return self._opt.state_dict()
         return state_forms.local(self._opt, self._layouts, self._pieces(), self._groups(),
-                                   self._size, self._rank)
+                                 self._size, self._rank)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state, in the wrapped optimizer's own per-parameter form, on global
