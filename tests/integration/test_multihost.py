@@ -20,7 +20,7 @@ import torch
 from .launch import ROOT, SCRIPTS
 from .multihost_cluster import started
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
 CHECK = SCRIPTS / "multihost_check.py"
 FAULTS = SCRIPTS / "faults.py"

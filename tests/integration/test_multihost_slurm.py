@@ -20,7 +20,7 @@ from .multihost_cluster import SUBNET, started
 from .slurm_cluster import Node, SlurmCluster, SlurmError, Unavailable, which
 from .unavailable import skip_or_fail
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
 CHECK = SCRIPTS / "multihost_check.py"
 PY = sys.executable

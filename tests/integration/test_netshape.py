@@ -6,7 +6,7 @@ import pytest
 from .multihost_cluster import started
 from .netshape import PROFILES, applied, probe
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("clusters")]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from .launch import SCRIPTS
 from .multihost_cluster import started
 from .test_multihost import _Job
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("clusters")]
 
 TRAIN = SCRIPTS / "net_train.py"
 PY = sys.executable

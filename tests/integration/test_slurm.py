@@ -24,6 +24,8 @@ SLURM_DIR = ROOT / "examples" / "slurm"
 TRAIN = ROOT / "examples" / "train.py"
 DEMO = ROOT / "examples" / "engine_demo.py"
 JOB_TIMEOUT = 300  # per `sbatch --wait`; the job is cancelled if it runs past this
+# Under pytest-xdist the test clusters (Slurm daemons, namespace hosts) take turns on one worker.
+pytestmark = pytest.mark.xdist_group("clusters")
 
 
 @pytest.fixture(scope="module")
