@@ -10,10 +10,12 @@
 #   variants     the collective suite ($VARIANT_TESTS) again on other data paths and transports:
 #                MPIDP_BACKEND=gloo at n=3, hierarchical allreduce over simulated 2-rank nodes at
 #                n=4, and MPICH forced onto TCP (tests/run_tcp_env.sh) at n=3
-#   integration  python -m pytest tests/integration                 (tests launch mpiexec themselves)
+#   integration  python -m pytest -n $INTEGRATION_WORKERS tests/integration   (tests launch mpiexec
+#                themselves; pytest-xdist workers, the test clusters' tests taking turns on one)
 #
 # Environment knobs:
 #   NPS="1 2 3 4"          world sizes for the mpi stage
+#   INTEGRATION_WORKERS=2  pytest-xdist workers for the integration stage (0: one process, no xdist)
 #   UNIT_TIMEOUT=900 MPI_TIMEOUT=900 INTEGRATION_TIMEOUT=1800   outer wall-clock limits (s)
 #   OMP_NUM_THREADS        defaults to 1 in the mpi stage (N ranks share the cores)
 #   VENV=.venv             its bin/ is put first in PATH if it exists
@@ -36,6 +38,9 @@ NPS="${NPS:-1 2 3 4}"
 UNIT_TIMEOUT="${UNIT_TIMEOUT:-900}"
 MPI_TIMEOUT="${MPI_TIMEOUT:-900}"
 INTEGRATION_TIMEOUT="${INTEGRATION_TIMEOUT:-1800}"
+# Most of an integration test is waiting (launches, fault bounds, daemons): two workers keep both
+# cores busy (here, both with other load on the machine: 996 s in one process, 706 s in two).
+INTEGRATION_WORKERS="${INTEGRATION_WORKERS:-2}"
 
 LOGDIR="$(mktemp -d "${TMPDIR:-/tmp}/mpidp-suite.XXXXXX")"
 trap 'rm -rf "$LOGDIR"' EXIT
@@ -142,8 +147,13 @@ stage_integration() {
         record integration SKIP "no test files in tests/integration"
         return
     fi
+    local workers=()
+    if [[ "$INTEGRATION_WORKERS" != 0 ]]; then
+        workers=(-n "$INTEGRATION_WORKERS" --dist loadgroup)
+    fi
     run_stage integration 1 "$INTEGRATION_TIMEOUT" \
-        python -m pytest -q -p no:cacheprovider --timeout=600 --timeout-method=thread tests/integration
+        python -m pytest -q -p no:cacheprovider --timeout=600 --timeout-method=thread \
+        "${workers[@]}" tests/integration
 }
 
 stages=("$@")
