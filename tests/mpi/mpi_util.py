@@ -1,5 +1,6 @@
 """Collective assertion helpers and tensor helpers shared by the MPI test modules."""
 
+import time
 import traceback
 
 import torch
@@ -23,9 +24,21 @@ def _world():
     return MPI.COMM_WORLD
 
 
+def _arrive():
+    """Wait for every rank here sleeping, not in MPICH's blocking collective, which spins a core:
+    with more ranks than cores, a rank still working (a subprocess it runs, a slow check) would
+    get a fraction of a core while the others spin in the verdict's allgather."""
+    request = _world().Ibarrier()
+    pause = 0.0
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(0.001, pause + 0.0001)
+
+
 def assert_all(ok, msg: str = "") -> None:
     """Assert `ok` on every rank at once: allgather each rank's verdict and fail all ranks if any
     rank failed, naming the failing ranks and their messages. Call it on every rank."""
+    _arrive()
     verdicts = _world().allgather((bool(ok), "" if ok else str(msg)))
     bad = [(r, m) for r, (good, m) in enumerate(verdicts) if not good]
     if bad:
@@ -36,6 +49,7 @@ def assert_all(ok, msg: str = "") -> None:
 
 def gather(value):
     """Every rank's `value`, in rank order (mpi4py allgather on COMM_WORLD)."""
+    _arrive()
     return _world().allgather(value)
 
 
