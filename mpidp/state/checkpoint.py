@@ -18,13 +18,16 @@ flushes and fsyncs it, renames it over `path` (`os.replace`) and fsyncs the dire
 killed at any moment leaves either the previous checkpoint or the new one, never a torn file.
 A kill before the rename leaves a temporary file behind; the next `save` to the same path removes
 every `.<name>.tmp-*`, so at most one stale temporary exists per checkpoint. One job saves to a
-given path at a time.
+given path at a time. `load` checks every part of the file against the CRC-32 its archive stores
+(torch.load does not), so a damaged copy fails on every rank, naming the file, instead of loading
+wrong numbers.
 """
 
 import collections
 import errno
 import io
 import os
+import zipfile
 from typing import Any, Dict, List
 
 import torch
@@ -198,6 +201,16 @@ def save_sharded(path, /, **state) -> None:
 
 # ---- load ----
 
+def _damaged_member(data: bytearray):
+    """The first part of a checkpoint whose bytes fail the CRC-32 its zip archive stores, or None:
+    torch.load does not check them, and would load damaged tensor data as it is."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            return archive.testzip()
+    except zipfile.BadZipFile:
+        return None  # not an archive at all: torch.load says what is wrong with it
+
+
 def _read_on_rank0(path: str):
     """(error kind, message, file contents as a uint8 tensor): only rank 0 touches the file."""
     empty = torch.empty(0, dtype=torch.uint8)
@@ -207,6 +220,11 @@ def _read_on_rank0(path: str):
             got = f.readinto(data)
         if got != len(data):
             return "error", f"{path!r} changed size while rank 0 read it", empty
+        damaged = _damaged_member(data)
+        if damaged:
+            return "error", (f"{path!r} is damaged: its part {damaged!r} fails its CRC-32 check "
+                             f"(a torn copy or a disk fault); load an earlier checkpoint or start "
+                             f"over"), empty
         return None, None, torch.frombuffer(data, dtype=torch.uint8) if data else empty
     except FileNotFoundError:
         return "missing", f"no checkpoint at {path!r} (as seen by rank 0)", empty

@@ -227,6 +227,21 @@ def test_foreign_or_torn_file_fails_every_rank(shared_dir, content):
     raises_all(checkpoint.CheckpointError, checkpoint.load, path)
 
 
+def test_damaged_tensor_bytes_fail_every_rank_naming_the_file(shared_dir):
+    """A byte flipped inside a tensor's data: torch.load would load the wrong number silently."""
+    path = os.path.join(shared_dir, "damaged.pt")
+    run_all(checkpoint.save, path, blob=torch.arange(100_000, dtype=torch.float32))
+    if mpidp.rank() == 0:
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)  # well inside the 400 kB of the tensor
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    mpidp.barrier()
+    exc = raises_all(checkpoint.CheckpointError, checkpoint.load, path, match="is damaged")
+    assert_all("damaged.pt" in str(exc) and "CRC-32" in str(exc), str(exc))
+
+
 def test_other_world_size_loads_state_but_leaves_rng(shared_dir):
     path = os.path.join(shared_dir, "resized.pt")
     run_all(checkpoint.save, path, epoch=4)
