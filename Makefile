@@ -6,6 +6,8 @@
 #   make test-unit | test-mpi | test-variants | test-integration
 #   make run                 2-rank demo: mpiexec -n 2 python examples/train.py
 #   make bench               benchmarks/allreduce.py at np=2
+#   make chaos               100 trials of one fault each (kill, term, raise, datapath, stall,
+#                            full disk, corrupt checkpoint) at 3-4 ranks; a table (CHAOS_TRIALS=N)
 #   make gpu-check           on a GPU machine: what is found, the device-parametrized MPI tests on
 #                            CUDA tensors per data path at n=1 and 2, examples/train.py on cuda,
 #                            benchmarks/cuda_paths.py; one table (without a GPU: says so, exit 0).
@@ -40,7 +42,7 @@ export NPS
 STAMP := $(VENV)/.installed$(if $(wildcard mpidp/__init__.py),,-nopkg)
 PIP   := $(BIN)/python -m pip
 
-.PHONY: venv test test-unit test-mpi test-variants test-integration run bench gpu-check gpu-wheels clean \
+.PHONY: venv test test-unit test-mpi test-variants test-integration run bench chaos gpu-check gpu-wheels clean \
 	distclean
 
 venv: $(STAMP)
@@ -75,6 +77,10 @@ test-integration: $(STAMP)
 
 run: $(STAMP)
 	timeout -k 30 $(RUN_TIMEOUT) $(BIN)/mpiexec -n $(RUN_NP) $(BIN)/python examples/train.py
+
+CHAOS_TRIALS ?= 100
+chaos: $(STAMP)
+	$(BIN)/python -m tests.integration.chaos --trials $(CHAOS_TRIALS)
 
 bench: $(STAMP)
 	timeout -k 30 $(BENCH_TIMEOUT) $(BIN)/mpiexec -n $(BENCH_NP) $(BIN)/python benchmarks/allreduce.py
