@@ -38,7 +38,7 @@ class Rounds:
 
     def __init__(self, opt, ranks, me: int, tag: str):
         self.ranks, self.me, self.tag, self.name = tuple(ranks), me, tag, tag + "joined"
-        self.process_set = opt._process_set
+        self.process_set = opt.process_set
         self.flags = torch.zeros(len(self.ranks), dtype=torch.int32)
         self.handle = self.request = self.cache_key = None
         self.current = None      # this round's flags once collected (a list, set order)
@@ -107,14 +107,14 @@ class _Server:
 
     def __init__(self, opt):
         self.opt = opt
-        self.process_set = opt._process_set  # where its JOIN carries `prefixes`
-        self.prefixes = (opt._tag,) + SHARED
+        self.process_set = opt.process_set  # where its JOIN carries `prefixes`
+        self.prefixes = (opt.join_rounds.tag,) + SHARED
 
     def serve(self) -> None:
         """Run rounds until one in which every rank of the set has joined. Synchronization:
         each round's ops with the ranks still training, then with every rank of the set."""
-        opt, rounds = self.opt, self.opt._join
-        if opt._in_flight():
+        opt, rounds = self.opt, self.opt.join_rounds
+        if opt.in_flight():
             # Its gradients are already out with the others' (as DistributedOptimizer's would
             # be): finish that step as a training rank.
             opt.step()
@@ -138,7 +138,7 @@ class _Server:
             elif code == "unscale":
                 scaler.unscale_joined(opt, *args)
             elif code == "step":
-                for group, options in zip(opt._opt.param_groups, args[0]):
+                for group, options in zip(opt.param_groups, args[0]):
                     group.update(options)
                 opt.step()
                 return
@@ -159,7 +159,7 @@ class _Registry:
         # A weak reference: the optimizer the script has dropped is gone (its hooks hold it
         # weakly, pass_guard.weak), and serving it would wait for peers that left it behind.
         opt = self.latest() if self.latest is not None else None
-        return _Server(opt) if opt is not None and not opt._outside else None
+        return _Server(opt) if opt is not None and opt.is_sharded else None
 
 
 def _registry() -> _Registry:

@@ -100,6 +100,22 @@ class ShardedOptimizer(DistributedOptimizer):
         """Whether this rank's optimizer holds shards (False outside the process set)."""
         return not self._outside
 
+    @property
+    def reduces_gradients(self) -> bool:
+        """False on the ranks of the set: each gets its shard of the gradients reduced."""
+        return self._outside
+
+    @property
+    def shards(self):
+        """This rank's shard of each bucket (its .grad the reduced gradient once synchronized);
+        empty outside the process set."""
+        return [] if self._outside else list(self._shards)
+
+    @property
+    def join_rounds(self):
+        """The per-step exchange of who has joined (join.Rounds); None outside the set."""
+        return None if self._outside else self._join
+
     def __repr__(self):
         return f"ShardedOptimizer({self._opt!r}, stage={self._stage})"
 
@@ -159,7 +175,7 @@ class ShardedOptimizer(DistributedOptimizer):
         of the set has submitted the same buckets."""
         if self._outside:
             return super().synchronize()
-        if self._reduced and not self._in_flight():
+        if self._reduced and not self.in_flight():
             return
         with ops.blocking():  # waited for right below: run here, not handed to the engine
             self._join.submit()
@@ -174,7 +190,7 @@ class ShardedOptimizer(DistributedOptimizer):
             self._end_step()
             self._pool.release_all()
         self._reduced = True
-        self._synchronized = True
+        self.step_state.synchronize_done()
 
     def step(self, closure=None):
         """Reduce-scatter what is left, step the wrapped optimizer on this rank's shards,
@@ -186,7 +202,7 @@ class ShardedOptimizer(DistributedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._should_sync:
+        if self.step_state.should_sync:
             self.synchronize()
         elif not self._reduced:
             raise RuntimeError("ShardedOptimizer.step() inside skip_synchronize() needs "
@@ -197,7 +213,8 @@ class ShardedOptimizer(DistributedOptimizer):
         for buf in self._bufs:
             buf.rehome()
         self._opt.step()
-        self._reduced = self._synchronized = False
+        self._reduced = False
+        self.step_state.stepped()
         # In place: each shard is its rank's block of the home the others' blocks land in.
         with ops.blocking():
             handles = [ops.allgather_into_async(buf.shard.detach(), buf.home,
@@ -213,7 +230,7 @@ class ShardedOptimizer(DistributedOptimizer):
         with set_to_none=False; stage 1's buffer is kept either way, and backward's next
         gradients are moved into it). Refuses while reductions are in flight (call step()
         first)."""
-        if self._outside or self._in_flight():
+        if self._outside or self.in_flight():
             return super().zero_grad(set_to_none)
         for buf, bucket in zip(self._bufs, self._buckets):
             buf.set_grad(None)

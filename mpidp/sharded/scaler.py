@@ -34,10 +34,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         local = sum((v.double().sum() for v in found.values()),
                     torch.zeros((), dtype=torch.float64))
-        rounds = getattr(optimizer, "_join", None)  # a ShardedOptimizer's (join.py)
+        rounds = getattr(optimizer, "join_rounds", None)  # a ShardedOptimizer's (join.py)
         if rounds is not None:
             rounds.announce("unscale", self._scale.double().reciprocal().float().item())
-        flag = (_agree(local, getattr(optimizer, "_process_set", None)) > 0).float()
+        flag = (_agree(local, getattr(optimizer, "process_set", None)) > 0).float()
         if not found:
             found[self._scale.device] = flag.to(self._scale.device)
         for device, value in found.items():
@@ -56,8 +56,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 self.unscale_(optimizer)
             with optimizer.skip_synchronize():  # unscale_() reduced the gradients already
                 result = super().step(optimizer, *args, **kwargs)
-            optimizer._synchronized = False  # also after a skipped step: the next one reduces
-        rounds = getattr(optimizer, "_join", None)
+            optimizer.step_state.stepped()  # also after a skipped step: the next one reduces
+        rounds = getattr(optimizer, "join_rounds", None)
         if rounds is not None and self._enabled:
             found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             if sum(v.item() for v in found.values()):
@@ -68,14 +68,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
 def _reduces_gradients(optimizer) -> bool:
     """A DistributedOptimizer that reduces whole gradients (not a ShardedOptimizer, nor
     Adasum's, which reduces updates)."""
-    return (getattr(optimizer, "_synchronized", None) is not None
-            and not getattr(optimizer, "is_sharded", False)
-            and not getattr(optimizer, "_deltas", False))
+    return getattr(optimizer, "reduces_gradients", False)
 
 
 def _unsynchronized(optimizer) -> bool:
     """Such an optimizer whose gradients are not reduced yet this step."""
-    return _reduces_gradients(optimizer) and not optimizer._synchronized
+    return _reduces_gradients(optimizer) and not optimizer.step_state.synchronized
 
 
 def _agree(local: torch.Tensor, process_set) -> torch.Tensor:
@@ -88,10 +86,10 @@ def unscale_joined(optimizer, inv_scale: float) -> None:
     """unscale_() on a joined rank serving a ShardedOptimizer (join.py): unscale this
     rank's chunks of the reduced gradients by the training ranks' `inv_scale` and take part in
     agreeing on the inf/NaN flag. Synchronization: one scalar allreduce over the set."""
-    grads = [s.grad for s in optimizer._shards if s.grad is not None]
+    grads = [s.grad for s in optimizer.shards if s.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     found = torch.zeros(1, device=device)
     inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
     for g in grads:  # the kernel GradScaler.unscale_ runs, so the products are the same
         torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv)
-    _agree(found.double().sum(), optimizer._process_set)
+    _agree(found.double().sum(), optimizer.process_set)

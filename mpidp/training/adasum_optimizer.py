@@ -81,6 +81,11 @@ class AdasumOptimizer(DistributedOptimizer):
         bucket.handle = ops.grouped_allreduce_async_(wires, name=bucket.name, op=self._op,
                                                      process_set=self._process_set)
 
+    @property
+    def reduces_gradients(self) -> bool:
+        """False with Adasum on more than one rank: the updates are reduced, not gradients."""
+        return not self._deltas
+
     def synchronize(self) -> None:
         """A no-op with Adasum on more than one rank, as in Horovod: step() waits for the
         reduced updates. Otherwise DistributedOptimizer.synchronize()."""

@@ -88,6 +88,12 @@ class Bucket:
         # Kept from the first submission, reused while the gradients still fit them.
         self.request = self.cache_key = self.dtype = self.shapes = None
 
+    def clear(self) -> None:
+        """Nothing of this step left: no gradient ready, none submitted (the kept request
+        stays)."""
+        self.handle, self.ready, self.wires, self.ctxs = None, 0, (), ()
+        self.submitted, self.dense, self.sparse = False, [], []
+
     def start(self, wires, op, pre: float, post: float, process_set, keep: bool) -> None:
         """Hand the dense gradients `wires` to the engine as one op (`handle`). The first time
         it goes through the checked path, and with `keep` its request is kept and reused while

@@ -12,12 +12,12 @@ def reduced(opt, closure):
     def call():
         loss = closure()
         opt.synchronize()
-        opt._synchronized = False  # the step's own: no "reduced a second time" warning later
+        opt.step_state.stepped()  # the step's own: no "reduced a second time" warning later
         if loss is None:
             return None
         value = torch.as_tensor(loss).detach().to(torch.float64).reshape(1)
         avg = ops.synchronize(ops.allreduce_async(value, name="mpidp.closure_loss",
-                                                  process_set=opt._process_set))
+                                                  process_set=opt.process_set))
         if isinstance(loss, torch.Tensor):
             return avg.to(loss.dtype).reshape(loss.shape)
         return avg.item()  # a float, whatever number type the closure returned

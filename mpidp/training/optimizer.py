@@ -2,8 +2,6 @@
 
 import itertools
 import warnings
-from typing import Dict
-
 import torch
 
 from ..ops.eager import eager
@@ -13,6 +11,7 @@ from . import overlap, param_layout, pass_guard, wrapped
 from ..runtime import world
 from ..ops.sparse import sparse_allreduce_async
 from .buckets import Bucket
+from .step_state import Phase, StepState
 from .closure import reduced as reduced_closure
 from ..runtime.process_sets import is_outside, member_of
 from ..ops.compression import Compression
@@ -83,14 +82,8 @@ class DistributedOptimizer(param_layout.ParamLayout):
         # Only this class's own submission reduces sparse gradients as sparse ops.
         self._sparse_ops = not (sparse_as_dense or self._outside or
                                 type(self)._submit is not DistributedOptimizer._submit)
-        self._passes_per_step = 1
+        self._step = StepState()
         self.set_backward_passes_per_step(backward_passes_per_step)
-        self._passes: Dict[torch.nn.Parameter, int] = {}
-        self._synchronized, self._should_sync = False, True
-        self._counting, self._warned_double_sync = True, False
-        # _completed: this step's gradients were reduced when its last backward pass ended.
-        self._completed = self._end_queued = False
-        self._backwards = 0  # backward passes of this step that reached the parameters
         self._seq = next(_created)  # the same on every rank: they create optimizers alike
         self._in_backward = self.completes_in_backward and \
             world.state().config.reduce_in_backward
@@ -102,7 +95,23 @@ class DistributedOptimizer(param_layout.ParamLayout):
     def __repr__(self):
         return f"DistributedOptimizer({self._opt!r})"
 
-    def _in_flight(self) -> bool:
+    @property
+    def step_state(self) -> StepState:
+        """Where this optimizer's training step stands (its phase, passes and marks)."""
+        return self._step
+
+    @property
+    def process_set(self):
+        """The process set whose ranks the gradients are reduced over (None: every rank)."""
+        return self._process_set
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Whether step() applies gradients averaged over the set (not so for variants that
+        reduce otherwise: updates, or shards of the gradients)."""
+        return True
+
+    def in_flight(self) -> bool:
         """A step has begun: some bucket is submitted, or has gradients waiting for step()."""
         return any(b.submitted or b.ready for b in self._buckets)
 
@@ -110,41 +119,40 @@ class DistributedOptimizer(param_layout.ParamLayout):
         """How many backward passes accumulate before a gradient is reduced."""
         if not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
-        self._passes_per_step = passes
+        self._step.passes_per_step = passes
 
     def _too_many_passes(self, p) -> RuntimeError:
-        return pass_guard.too_many_passes(self._names[p], self._passes_per_step,
+        return pass_guard.too_many_passes(self._names[p], self._step.passes_per_step,
                                           self._overlap)
 
     def _before_accumulation(self, p, grad) -> None:
         # Nothing is in flight once the step completed (torch.autograd.grad after backward
         # passes here too, and accumulates nothing).
-        if self._counting and self._passes.get(p, 0) >= self._passes_per_step \
-                and not self._completed:
+        if self._step.one_too_many(p):
             raise self._too_many_passes(p)
 
     def _hook(self, p) -> None:
-        if not self._counting:
+        step = self._step
+        if not step.counting:
             return
-        if self._completed:
+        if step.phase is Phase.REDUCED:
             # Another backward pass after the step was reduced in one: its gradients add to
             # the averaged ones, and are reduced in turn (linear: as DDP accumulates).
             self._end_step()
-        if not self._passes:  # the step's first gradient
+        if step.phase is Phase.IDLE:  # the step's first gradient
             self._follow_requires_grad()
-        if self._in_backward and not self._end_queued:  # this backward pass's first
-            self._end_queued = pass_guard.at_backward_end(self._seq,
-                                                          pass_guard.weak(self._backward_ended))
-        count = self._passes.get(p, 0) + 1
-        self._passes[p] = count
-        if count < self._passes_per_step:
+        if self._in_backward and not step.end_queued:  # this backward pass's first
+            step.end_queued = pass_guard.at_backward_end(self._seq,
+                                                         pass_guard.weak(self._backward_ended))
+        count = step.count(p)
+        if count < step.passes_per_step:
             return
         bucket = self._bucket_of.get(p)
         if bucket is None:  # torch handed on another tensor: an earlier hook returned it
             raise RuntimeError("a post-accumulate-grad hook registered before "
                                "DistributedOptimizer's returned a value; such hooks must "
                                "return None")
-        if count > self._passes_per_step or bucket.submitted:
+        if count > step.passes_per_step or bucket.submitted:
             raise self._too_many_passes(p)
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and self._overlap:
@@ -197,14 +205,14 @@ class DistributedOptimizer(param_layout.ParamLayout):
         reach) before backward() returns, as DDP does; the count is the same on every rank
         whatever parameters each one's loss reached. A backward nested in another (reentrant
         checkpointing) is part of the outer one, whose end counts."""
-        self._end_queued = pass_guard.after_outer_node(self._seq,
-                                                       pass_guard.weak(self._backward_ended))
-        if self._end_queued:  # nested: the outer pass's end counts
+        step = self._step
+        step.end_queued = pass_guard.after_outer_node(self._seq,
+                                                      pass_guard.weak(self._backward_ended))
+        if step.end_queued:  # nested: the outer pass's end counts
             return
-        self._backwards += 1
-        if not self._completed and self._backwards >= self._passes_per_step:
+        if step.backward_ended():
             self._reduce()
-            self._completed = True
+            step.reduced()
 
     # ---- user-facing steps ----
 
@@ -213,10 +221,10 @@ class DistributedOptimizer(param_layout.ParamLayout):
         """Wait until every gradient is reduced; submit any bucket that was not (zeros for
         parameters without a gradient). Synchronization: blocks until every rank has
         submitted the same buckets (nothing more when the backward pass already did)."""
-        if not self._completed:
+        if self._step.phase is not Phase.REDUCED:
             self._reduce()
         self._end_step()
-        self._synchronized = True
+        self._step.synchronize_done()
 
     def _reduce(self) -> None:
         """Submit what is left, wait for every bucket, put the results in .grad."""
@@ -253,46 +261,41 @@ class DistributedOptimizer(param_layout.ParamLayout):
 
     def _end_step(self) -> None:
         """Every bucket empty and every pass count zero again: the next step may start."""
-        for bucket in self._buckets:
-            bucket.handle, bucket.ready, bucket.wires, bucket.ctxs = None, 0, (), ()
-            bucket.submitted, bucket.dense, bucket.sparse = False, [], []
-        self._passes.clear()
-        self._completed, self._end_queued, self._backwards = False, False, 0
+        self._step.end(self._buckets)
 
     def skip_synchronize(self):
         """Inside, step() does not synchronize (use after an explicit synchronize())."""
-        return pass_guard.cleared(self, "_should_sync")
+        return self._step.skip_synchronize()
 
     def no_sync(self):
         """Inside, backward passes accumulate gradients locally without counting or reducing."""
-        return pass_guard.cleared(self, "_counting")
+        return self._step.no_sync()
 
     def step(self, closure=None):
         """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer.
         A closure is reduced at each call: the gradients it makes are averaged, and so is the
         loss it returns (detached), so that LBFGS decides alike on every rank. Synchronization:
         synchronize()'s, and one allreduce of the loss per call of the closure."""
-        if self._should_sync:
-            if self._synchronized and not self._in_flight() and not self._warned_double_sync:
+        if self._step.should_sync:
+            if self._step.warn_double_sync(self.in_flight()):
                 # Horovod's words first: scripts and tests match on them.
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "after optimizer.synchronize(): gradients are reduced a second "
                               "time; step inside `with optimizer.skip_synchronize():`",
                               UserWarning, stacklevel=2)
-                self._warned_double_sync = True
-            if closure is None or self._in_flight():
+            if closure is None or self.in_flight():
                 self.synchronize()
             if closure is not None:
                 closure = reduced_closure(self, closure)
-        self._synchronized = False
+        self._step.stepped()
         return self._opt.step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; refuses while reductions are in flight (call step() first); the
         gradients of a step the backward pass already reduced are dropped (a skipped step)."""
-        if self._completed:
+        if self._step.phase is Phase.REDUCED:
             self._end_step()
-        if self._in_flight():
+        if self.in_flight():
             raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
                              "before optimizer.step() or optimizer.synchronize(); gradients "
                              "are being reduced. Call step() (or synchronize()) first. "

@@ -6,6 +6,7 @@ import torch
 
 from . import pass_guard, wrapped
 from ..runtime import world
+from .step_state import Phase
 from .buckets import claim, group_ids, make_buckets, named, release
 from ..ops.sparse import SparseGradients
 
@@ -14,7 +15,7 @@ class ParamLayout(wrapped.OptimizerWrapper):
     """The part of DistributedOptimizer that follows the script's parameters: laid out at
     wrapping, and again between steps after add_param_group() or a change of requires_grad.
     The subclass sets what `_layout` reads (`_named_list`, `_grouping`, `_set_id`, `_outside`,
-    `_sparse_ops`, `_hooks`, `_guards`, `_passes`) and defines `_hook`, `_in_flight`."""
+    `_sparse_ops`, `_hooks`, `_guards`, `_step`) and defines `_hook`, `in_flight`."""
 
     def _layout(self) -> None:
         """Names, buckets and hooks for the optimizer's parameters that require a gradient now
@@ -59,7 +60,7 @@ class ParamLayout(wrapped.OptimizerWrapper):
         every rank of the set must add the same group in the same order. A new parameter
         without a name in `named_parameters` (a module added after wrapping) is named by its
         position, as Horovod names them all without `named_parameters`."""
-        if self._in_flight() or self._passes:
+        if self.in_flight() or self._step.phase is not Phase.IDLE:
             raise ValueError("DistributedOptimizer.add_param_group() was called during a step "
                              "(after backward, before step() or synchronize()); add parameter "
                              "groups between steps")
@@ -75,7 +76,7 @@ class ParamLayout(wrapped.OptimizerWrapper):
     def _follow_requires_grad(self) -> None:
         """A new layout if, before any gradient of this step, the script has frozen or unfrozen
         parameters since the last (the same way on every rank, as the program is the same)."""
-        if not self._passes and not self._in_flight() and (
+        if self._step.phase is Phase.IDLE and not self.in_flight() and (
                 any(p.requires_grad for p in self._frozen)
                 or not all(p.requires_grad for p in self._trained)):
             self._layout()

@@ -1,6 +1,5 @@
 """DistributedOptimizer's backward passes: the refusal of one too many, and the end of one."""
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -73,16 +72,6 @@ def after_outer_node(seq: int, callback: Callable) -> bool:
         return False
     node.register_hook(lambda *_: at_backward_end(seq, callback) and None)
     return True
-
-
-@contextlib.contextmanager
-def cleared(owner, flag: str):
-    """`owner.flag` False inside (an optimizer's no_sync() and skip_synchronize()), True after."""
-    setattr(owner, flag, False)
-    try:
-        yield
-    finally:
-        setattr(owner, flag, True)
 
 
 def weak(method: Callable) -> Callable:

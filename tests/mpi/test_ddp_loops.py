@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpidp
+from mpidp.training.step_state import Phase
 from mpi_util import (assert_all, gather, max_deviation, my_rows, raises_all, row_batches,
                       run_all)
 
@@ -195,7 +196,7 @@ def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant, whole):
         h = checkpoint(model[:2], xin, use_reentrant=reentrant)
         h = checkpoint(model[2:] if whole else model[2:4], h, use_reentrant=reentrant)
         F.cross_entropy(h if whole else model[4](h), _mine(y)).backward()
-        reduced = opt._completed
+        reduced = opt.step_state.phase is Phase.REDUCED
         run_all(opt.step)
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
