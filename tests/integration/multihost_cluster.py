@@ -44,8 +44,7 @@ import pytest
 
 from . import netshape
 from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
-from .slurm_cluster import Unavailable, alive, apt_install, is_root, which
-from .unavailable import skip_or_fail
+from .cluster_kit import Unavailable, alive, install, is_root, skip_or_fail, which
 
 PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
 BRIDGE = PREFIX + "0"
@@ -72,12 +71,8 @@ def _run(cmd, timeout=_SETUP_TIMEOUT, check=True):
     return proc.returncode, text
 
 
-def install(attempts=3, timeout=600):
-    """apt-get install openssh-server (quietly, retried); Unavailable if it cannot be done."""
-    apt = which("apt-get")
-    if apt is None:
-        raise Unavailable("sshd is not installed and there is no apt-get to install it")
-    apt_install(apt, PACKAGES, lambda: which("sshd") and which("ssh"), attempts, timeout)
+def missing_programs():
+    return [p for p in ("sshd", "ssh") if which(p) is None]
 
 
 def namespaces():
@@ -181,9 +176,9 @@ class MultiHostCluster:
         for tool in ("ip", "unshare", "nsenter", "ssh-keygen"):
             if which(tool) is None:
                 raise Unavailable(f"no `{tool}` here")
-        if which("sshd") is None or which("ssh") is None:
+        if missing_programs():
             self._log(f"installing {' '.join(PACKAGES)}")
-            install()
+            install(PACKAGES, missing_programs)
         self._acquire_lock(lock_timeout)
         self._shm_before = shm_files()
         try:
