@@ -27,7 +27,6 @@ Only root can do this; `Unavailable` says why it cannot be had (the caller skips
 under CI=true).
 """
 
-import fcntl
 import glob
 import json
 import os
@@ -40,12 +39,11 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from . import netshape
-from .launch import ROOT, Result, clean_shm, mpiexec, shm_files
-from .slurm_cluster import Unavailable, alive, apt_install, is_root, which
-from .unavailable import skip_or_fail
+from .cluster_kit import (ClusterError, SessionLock, Unavailable, alive, cmdline, descendants,
+                          install, is_root, kill_all, run, run_group, start_or_skip, tail,
+                          wait_until, wait_while, which)
+from .launch import ROOT, mpiexec
 
 PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
 BRIDGE = PREFIX + "0"
@@ -57,27 +55,12 @@ PACKAGES = ("openssh-server", "openssh-client")
 _SETUP_TIMEOUT = 30
 
 
-class ClusterError(RuntimeError):
-    """The cluster did not start or stop cleanly; the message says what is left or broken."""
-
-
 def _run(cmd, timeout=_SETUP_TIMEOUT, check=True):
-    with tempfile.TemporaryFile(mode="w+") as out:  # a file: daemons must not hold our pipe
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=timeout)
-        out.seek(0)
-        text = out.read()
-    if check and proc.returncode != 0:
-        raise ClusterError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: {text.strip()}")
-    return proc.returncode, text
+    return run(cmd, timeout, check=check)
 
 
-def install(attempts=3, timeout=600):
-    """apt-get install openssh-server (quietly, retried); Unavailable if it cannot be done."""
-    apt = which("apt-get")
-    if apt is None:
-        raise Unavailable("sshd is not installed and there is no apt-get to install it")
-    apt_install(apt, PACKAGES, lambda: which("sshd") and which("ssh"), attempts, timeout)
+def missing_programs():
+    return [p for p in ("sshd", "ssh") if which(p) is None]
 
 
 def namespaces():
@@ -102,44 +85,18 @@ def pids_in(netns):
     return [p for p in pids if alive(p)]
 
 
-def cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "(gone)"
-
-
-def _kill_all(pids, timeout=5.0):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _wait_gone(probe, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while probe() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return probe()
-
-
 def remove_everything(log=lambda msg: None):
     """Kill every process on our hosts, delete our namespaces and links (ours or left over)."""
     for ns in namespaces():
         pids = pids_in(ns)
         if pids:
             log(f"killing {len(pids)} process(es) on {ns}")
-            _kill_all(pids)
+            kill_all(pids)
         _run(["ip", "netns", "del", ns], check=False)
     for link in links():
         _run(["ip", "link", "del", link], check=False)
     # Deleting a namespace frees its veth asynchronously.
-    _wait_gone(lambda: namespaces() or links())
+    wait_while(lambda: namespaces() or links(), 10.0, 0.1)
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "-*")):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -167,8 +124,7 @@ class MultiHostCluster:
         self.profile = netshape.profile(profile)
         self._log = log or (lambda msg: print(f"[multihost_cluster] {msg}", file=sys.stderr))
         self.dir = None
-        self._lock = None
-        self._shm_before = set()
+        self._lock = SessionLock(LOCK, self._log)
         self._old_sigterm = None
 
     # -- start ---------------------------------------------------------------------------------
@@ -181,11 +137,10 @@ class MultiHostCluster:
         for tool in ("ip", "unshare", "nsenter", "ssh-keygen"):
             if which(tool) is None:
                 raise Unavailable(f"no `{tool}` here")
-        if which("sshd") is None or which("ssh") is None:
+        if missing_programs():
             self._log(f"installing {' '.join(PACKAGES)}")
-            install()
-        self._acquire_lock(lock_timeout)
-        self._shm_before = shm_files()
+            install(PACKAGES, missing_programs)
+        self._lock.acquire(lock_timeout)
         try:
             if namespaces() or links():
                 self._log(f"left by an earlier run: {namespaces() + links()}; removing")
@@ -202,20 +157,6 @@ class MultiHostCluster:
             self.stop(check=False)
             raise
         self._log(f"{len(self.hosts)} hosts up in {time.monotonic() - t0:.1f}s: {self.hosts}")
-
-    def _acquire_lock(self, timeout):
-        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._lock = fd
-                return
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise Unavailable(f"another test session has held {LOCK} for {timeout}s")
-                time.sleep(1)
 
     def _catch_sigterm(self):
         """`timeout` ends a test run with SIGTERM, which skips fixture teardown: stop first."""
@@ -332,18 +273,19 @@ class MultiHostCluster:
         logf.close()
 
     def _wait_ssh(self, host, timeout=_SETUP_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        out = ""
-        while time.monotonic() < deadline:
+        last = [None, ""]
+
+        def answers():
             if host.sshd.poll() is not None:
-                break
-            rc, out = self.ssh(host.name, "hostname", check=False)
-            if rc == 0 and out.strip() == host.name:
-                return
-            time.sleep(0.2)
-        log = (self.dir / f"sshd_{host.name}.log").read_text(errors="replace")
-        raise ClusterError(f"ssh {host.name} did not answer within {timeout}s (last: {out!r}; "
-                           f"sshd exit code {host.sshd.poll()}); sshd log:\n{log}")
+                return True     # it exited: no use waiting
+            last[:] = self.ssh(host.name, "hostname", check=False)
+            return last[0] == 0 and last[1].strip() == host.name
+
+        if wait_until(answers, timeout) and host.sshd.poll() is None:
+            return
+        raise ClusterError(f"ssh {host.name} did not answer within {timeout}s (last: {last[1]!r}; "
+                           f"sshd exit code {host.sshd.poll()}); sshd log:\n"
+                           f"{tail(self.dir / f'sshd_{host.name}.log')}")
 
     # -- use -----------------------------------------------------------------------------------
 
@@ -374,26 +316,7 @@ class MultiHostCluster:
     def run(self, cmd, timeout=120, env=None):
         """Run `cmd` (mpiexec or mpidprun, ...) from the repository root with env(); on timeout
         kill its process group (mpiexec and its ssh clients) and raise TimeoutExpired."""
-        start = time.monotonic()
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                cwd=str(ROOT), env=env or self.env(), start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except OSError:
-                    pass
-                try:
-                    proc.communicate(timeout=10)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            raise
-        return Result(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
-                      time.monotonic() - start)
+        return run_group(cmd, timeout=timeout, env=env or self.env())
 
     def start_job(self, args, env=None):
         """mpiexec `args` in the background (own process group), stdout/stderr as text pipes."""
@@ -408,20 +331,8 @@ class MultiHostCluster:
         pids = [p for p in pids_in(host.netns)
                 if p != host.sshd.pid and cmdline(p).startswith("sshd: ")]
         if with_children:
-            parent = {}
-            for stat in glob.glob("/proc/[0-9]*/stat"):
-                try:
-                    with open(stat) as f:
-                        parent[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    pass
-            found, grew = set(pids), True
-            while grew:
-                more = {p for p, pp in parent.items() if pp in found} - found
-                found |= more
-                grew = bool(more)
-            pids = sorted(found)
-        _kill_all(pids)
+            pids = descendants(pids)
+        kill_all(pids)
         return pids
 
     def mpiexec(self, *args, timeout=120, env=None):
@@ -439,10 +350,7 @@ class MultiHostCluster:
                 if rest:
                     found[h.name] = [f"{p}: {cmdline(p)}" for p in rest]
             return found
-        deadline = time.monotonic() + settle
-        while (found := find()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return found
+        return wait_while(find, settle, 0.1)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -456,15 +364,11 @@ class MultiHostCluster:
                 h.sshd = None
         remove_everything(self._log)
         left = namespaces() + links()
-        for path in clean_shm(self._shm_before):
-            self._log(f"removed leftover {path}")
         self.dir = None
         if self._old_sigterm is not None and threading_main():
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        self._lock.release()
         if left and check:
             raise ClusterError(f"still present after stop: {left}")
 
@@ -551,11 +455,4 @@ def started(n_hosts: int, what: str, profile="none") -> "MultiHostCluster":
     """A started cluster of `n_hosts` (links shaped as `profile`) for a test module's fixture;
     skips the module (fails it under CI=true) when one cannot be had here, and fails it when one
     does not start."""
-    cluster = MultiHostCluster(n_hosts=n_hosts, profile=profile)
-    try:
-        cluster.start()
-    except Unavailable as e:
-        skip_or_fail(what, e)
-    except ClusterError as e:
-        pytest.fail(f"the multi-host test cluster did not start: {e}")
-    return cluster
+    return start_or_skip(MultiHostCluster(n_hosts=n_hosts, profile=profile), what)

@@ -30,22 +30,21 @@ file /run/slurmd-<name>.pid and log /var/log/slurm/slurmd-<name>.log; slurmctld 
 Only root can do any of this (config in /etc, daemons that run jobs as any user).
 """
 
-import fcntl
-import glob
+import functools
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from .launch import clean_shm, shm_files
-
-ROOT = Path(__file__).resolve().parents[2]
+from .cluster_kit import (DAEMON_ENV, ClusterError, SessionLock, Unavailable, alive, daemon_pids,
+                          install, is_root, kill_all, read_pid, run_group, tail, wait_until,
+                          wait_while, which)
+from .cluster_kit import run as _run_any
 
 MARKER = ("# Written by mpidp's tests/integration/slurm_cluster.py for a test cluster; "
           "safe to delete.")
@@ -58,139 +57,21 @@ PIDFILES = {"slurmctld": Path("/run/slurmctld.pid"), "slurmd": Path("/run/slurmd
             "munged": Path("/run/munge/munged.pid")}
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_DIRS = ("/run/munge", "/var/log/munge", "/var/lib/munge")
-# Held from start() to stop(): two test sessions on one machine would otherwise shut down each
-# other's cluster. The kernel drops it if the holder dies.
-LOCK = Path("/run/mpidp-slurm-test.lock")
+LOCK = Path("/run/mpidp-slurm-test.lock")  # cluster_kit.SessionLock
 
 PACKAGES = ("slurm-wlm", "munge")
-# Daemons live in sbin, which a non-login or non-root PATH may lack.
-_SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin",
-                                "/usr/local/bin", "/usr/bin", "/bin"])
-# The daemons get a plain environment, not the test's (venv first in PATH, pytest variables).
-_DAEMON_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "LANG": "C.UTF-8", "HOME": "/root"}
 
 
-class Unavailable(Exception):
-    """Slurm cannot be had here (not installed and not installable, not root, someone else's
-    cluster running); the message says why."""
-
-
-class SlurmError(RuntimeError):
+class SlurmError(ClusterError):
     """Slurm is there but did not start or stop as expected; the message carries the logs."""
 
 
-def which(name):
-    return shutil.which(name, path=_SEARCH_PATH)
+_run = functools.partial(_run_any, error=SlurmError)
 
 
 def missing_programs():
     return [p for p in ("sbatch", "srun", "sinfo", "scontrol", "scancel", "slurmctld", "slurmd",
                         "munged", "munge", "unmunge") if which(p) is None]
-
-
-def is_root():
-    return os.geteuid() == 0
-
-
-def install(attempts=3, timeout=600):
-    """apt-get install slurm-wlm munge (quietly, retried). Raises Unavailable if it cannot."""
-    if not is_root():
-        raise Unavailable("Slurm is not installed and we are not root, so it cannot be installed "
-                          f"(missing: {', '.join(missing_programs())}; as root: apt-get install "
-                          f"{' '.join(PACKAGES)})")
-    apt = which("apt-get")
-    if apt is None:
-        raise Unavailable("Slurm is not installed and there is no apt-get to install it with "
-                          f"(missing: {', '.join(missing_programs())})")
-    apt_install(apt, PACKAGES, lambda: not missing_programs(), attempts, timeout)
-
-
-def apt_install(apt, packages, installed, attempts=3, timeout=600):
-    """apt-get install `packages` quietly, retried, until `installed()`; Unavailable if not."""
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    log = ""
-    for attempt in range(1, attempts + 1):
-        try:
-            up = subprocess.run([apt, "-qq", "update"], capture_output=True, text=True, env=env,
-                                timeout=timeout, stdin=subprocess.DEVNULL)
-            inst = subprocess.run([apt, "install", "-y", "-qq", "--no-install-recommends",
-                                   *packages], capture_output=True, text=True, env=env,
-                                  timeout=timeout, stdin=subprocess.DEVNULL)
-            log = up.stdout + up.stderr + inst.stdout + inst.stderr
-            if inst.returncode == 0 and installed():
-                return
-        except subprocess.TimeoutExpired as e:
-            log = f"timed out after {timeout}s: {e.cmd}"
-        if attempt < attempts:
-            time.sleep(5 * attempt)
-    raise Unavailable(f"apt-get install {' '.join(packages)} failed {attempts} times; last "
-                      f"output:\n{log[-3000:]}")
-
-
-def daemon_pids(name):
-    """Live (not zombie) processes whose command name is `name`, from /proc."""
-    pids = []
-    for comm in glob.glob("/proc/[0-9]*/comm"):
-        try:
-            with open(comm) as f:
-                if f.read().strip() != name:
-                    continue
-            pid = int(comm.split("/")[2])
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            pids.append(pid)
-    return sorted(pids)
-
-
-def alive(pid):
-    """Whether process `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
-def _read_pid(path):
-    try:
-        pid = int(Path(path).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pid if alive(pid) else None
-
-
-def _tail(path, lines=40):
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"({path}: {e.strerror})"
-
-
-def _run(cmd, timeout=30, env=None, check=False):
-    """Run a short command; output goes through a file, not a pipe, because the daemons we start
-    fork into the background and could otherwise hold a pipe open (and us waiting on it)."""
-    with tempfile.TemporaryFile(mode="w+") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env=env, timeout=timeout)
-        out.seek(0)
-        text = out.read()
-    if check and proc.returncode != 0:
-        raise SlurmError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{text}")
-    return proc.returncode, text
-
-
-def _wait_until(predicate, timeout, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def node_name():
@@ -313,8 +194,7 @@ class SlurmCluster:
         self._started_munged = False
         self._conf_backed_up = False
         self._conf_written = False
-        self._shm_before = set()
-        self._lock = None
+        self._lock = SessionLock(LOCK, self._log)
         self.started = False
 
     # -- start -----------------------------------------------------------------------------
@@ -325,12 +205,12 @@ class SlurmCluster:
         t0 = time.monotonic()
         if missing_programs():
             self._log(f"installing {' '.join(PACKAGES)} (missing: {', '.join(missing_programs())})")
-            install()
+            install(PACKAGES, missing_programs)
             self._log(f"installed in {time.monotonic() - t0:.1f}s")
         if not is_root():
             raise Unavailable("a test Slurm cluster needs root (it writes /etc/slurm/slurm.conf "
                               "and starts munged, slurmctld and slurmd)")
-        self._acquire_lock(lock_timeout)
+        self._lock.acquire(lock_timeout)
         try:
             running = {d: daemon_pids(d) for d in ("slurmctld", "slurmd")}
             if any(running.values()) and not _is_ours(CONF):
@@ -338,9 +218,8 @@ class SlurmCluster:
                     f"Slurm daemons not started by these tests are running ({running}) under "
                     f"{CONF} that is not ours; not touching someone else's cluster")
         except BaseException:
-            self._release_lock()
+            self._lock.release()
             raise
-        self._shm_before = shm_files()
         try:
             self._start_munge()
             if any(running.values()):
@@ -356,12 +235,12 @@ class SlurmCluster:
                 with open(log, "w"):
                     pass
             self.started = True
-            _run([which("slurmctld"), "-c"], env=_DAEMON_ENV, check=True)
+            _run([which("slurmctld"), "-c"], env=DAEMON_ENV, check=True)
             if self.nodes:
                 for n in self.nodes:
-                    _run([*n.enter, which("slurmd"), "-N", n.name], env=_DAEMON_ENV, check=True)
+                    _run([*n.enter, which("slurmd"), "-N", n.name], env=DAEMON_ENV, check=True)
             else:
-                _run([which("slurmd")], env=_DAEMON_ENV, check=True)
+                _run([which("slurmd")], env=DAEMON_ENV, check=True)
             self._wait_idle(timeout)
         except BaseException:
             self.stop(check=False)
@@ -374,30 +253,6 @@ class SlurmCluster:
 
     def _slurmd_logs(self):
         return [slurmd_log(n.name) for n in self.nodes] or [SLURMD_LOG]
-
-    def _acquire_lock(self, timeout):
-        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + timeout
-        said = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(fd)
-                    raise Unavailable(f"another test session has held {LOCK} (its test Slurm "
-                                      f"cluster) for more than {timeout}s")
-                if not said:
-                    self._log("another test session is using the test cluster; waiting for it")
-                    said = True
-                time.sleep(1)
-        self._lock = fd
-
-    def _release_lock(self):
-        if self._lock is not None:
-            os.close(self._lock)  # drops the flock
-            self._lock = None
 
     def _start_munge(self):
         for d in MUNGE_DIRS:
@@ -415,11 +270,11 @@ class SlurmCluster:
         stale = daemon_pids("munged")
         if stale:
             raise SlurmError(f"munged is running ({stale}) but does not answer `munge -n`")
-        _run(["runuser", "-u", "munge", "--", which("munged")], env=_DAEMON_ENV, check=True)
+        _run(["runuser", "-u", "munge", "--", which("munged")], env=DAEMON_ENV, check=True)
         self._started_munged = True
-        if not _wait_until(self._munge_works, 10):
+        if not wait_until(self._munge_works, 10):
             raise SlurmError("munged started but `munge -n | unmunge` fails:\n"
-                             + _tail("/var/log/munge/munged.log"))
+                             + tail("/var/log/munge/munged.log"))
 
     @staticmethod
     def _munge_works():
@@ -461,12 +316,12 @@ class SlurmCluster:
 
     def _wait_idle(self, timeout):
         resumed = set()
-        deadline = time.monotonic() + timeout
         states = {}
-        while time.monotonic() < deadline:
-            states = {n: self.node_state(n) for n in self.node_names()}
+
+        def idle():
+            states.update((n, self.node_state(n)) for n in self.node_names())
             if all(state == "idle" for state in states.values()):
-                return
+                return True
             for node, state in states.items():
                 # A node remembered as drained/down needs a nudge (ReturnToService=2 covers
                 # "down" after a restart, not an admin drain).
@@ -479,16 +334,18 @@ class SlurmCluster:
             if len(daemon_pids("slurmd")) < len(self.node_names()):
                 raise SlurmError(self._diagnostics(f"slurmd running {daemon_pids('slurmd')}, "
                                                    f"not one per node (nodes: {states})"))
-            time.sleep(0.5)
-        raise SlurmError(self._diagnostics(f"node(s) not idle after {timeout}s (sinfo says "
-                                           f"{states})"))
+            return False
+
+        if not wait_until(idle, timeout, 0.5):
+            raise SlurmError(self._diagnostics(f"node(s) not idle after {timeout}s (sinfo says "
+                                               f"{states})"))
 
     def _diagnostics(self, headline):
         _, info = _run([which("scontrol"), "show", "node", ",".join(self.node_names())],
                        timeout=10)
-        logs = "".join(f"\n--- {log}:\n{_tail(log)}" for log in self._slurmd_logs())
+        logs = "".join(f"\n--- {log}:\n{tail(log)}" for log in self._slurmd_logs())
         return (f"{headline}\n--- scontrol show node:\n{info}\n--- {SLURMCTLD_LOG}:\n"
-                f"{_tail(SLURMCTLD_LOG)}{logs}")
+                f"{tail(SLURMCTLD_LOG)}{logs}")
 
     # -- jobs ------------------------------------------------------------------------------
 
@@ -503,14 +360,11 @@ class SlurmCluster:
         if separate_error:
             cmd += ["-e", str(out_dir / "err.%j")]
         cmd += [*sbatch_args, str(script), *map(str, args)]
-        start = time.monotonic()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT),
-                                  env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+            proc = run_group(cmd, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             _run([which("scancel"), "-n", name], timeout=15)
             raise
-        seconds = time.monotonic() - start
         job_id = None
         for word in proc.stdout.split():
             if word.isdigit():
@@ -523,28 +377,22 @@ class SlurmCluster:
             except OSError as e:
                 return f"({prefix}.{job_id}: {e.strerror})"
         return Job(job_id, proc.returncode, proc.stdout + proc.stderr, read("out"),
-                   read("err") if separate_error else "", seconds)
+                   read("err") if separate_error else "", proc.seconds)
 
     # -- stop ------------------------------------------------------------------------------
 
     def _stop_slurm_daemons(self, timeout=30):
         """scontrol shutdown; if a daemon outlives it, SIGTERM then SIGKILL it by its pid."""
+        def running():
+            return daemon_pids("slurmctld") + daemon_pids("slurmd")
         if daemon_pids("slurmctld"):
             _run([which("scontrol"), "shutdown"], timeout=15)
-        gone = _wait_until(lambda: not daemon_pids("slurmctld") and not daemon_pids("slurmd"),
-                           timeout)
-        if not gone:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                for d in ("slurmctld", "slurmd"):
-                    for pid in daemon_pids(d):
-                        self._log(f"{d} (pid {pid}) outlived scontrol shutdown: {sig.name}")
-                        try:
-                            os.kill(pid, sig)
-                        except OSError:
-                            pass
-                if _wait_until(lambda: not daemon_pids("slurmctld") and not daemon_pids("slurmd"),
-                               10):
-                    break
+        if not wait_while(running, timeout):
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            self._log(f"slurmctld/slurmd {running()} outlived scontrol shutdown: {sig.name}")
+            if kill_all(running(), sig, timeout=10):
+                break
 
     def stop(self, check=True):
         """Stop what start() started and put the config back. With check, raise SlurmError if a
@@ -555,12 +403,11 @@ class SlurmCluster:
             self.started = False
         munged_pid = None
         if self._started_munged:
-            munged_pid = _read_pid(PIDFILES["munged"])
+            munged_pid = read_pid(PIDFILES["munged"])
             _run(["runuser", "-u", "munge", "--", which("munged"), "--stop"], timeout=15)
-            if munged_pid is not None and not _wait_until(lambda: not alive(munged_pid), 10):
+            if munged_pid is not None and not wait_until(lambda: not alive(munged_pid), 10):
                 self._log(f"munged (pid {munged_pid}) outlived munged --stop: SIGKILL")
-                os.kill(munged_pid, signal.SIGKILL)
-                _wait_until(lambda: not alive(munged_pid), 5)
+                kill_all([munged_pid])
             self._started_munged = False
         for d in ("slurmctld", "slurmd"):
             if daemon_pids(d):
@@ -574,12 +421,6 @@ class SlurmCluster:
         if self._conf_backed_up:
             os.rename(BACKUP, CONF)
             self._conf_backed_up = False
-        self._clean_shm()
-        self._release_lock()
+        self._lock.release()
         if problems and check:
             raise SlurmError("; ".join(problems))
-
-    def _clean_shm(self):
-        """Remove /dev/shm/mpich_shm_* files that appeared since start() and no process maps."""
-        for path in clean_shm(self._shm_before):
-            self._log(f"removed leftover {path}")

@@ -17,8 +17,8 @@ from mpidp.config import LAUNCHER_PREFIXES
 
 from .launch import SCRIPTS
 from .multihost_cluster import SUBNET, started
-from .slurm_cluster import Node, SlurmCluster, SlurmError, Unavailable, which
-from .unavailable import skip_or_fail
+from .cluster_kit import start_or_skip, which
+from .slurm_cluster import Node, SlurmCluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
@@ -31,13 +31,8 @@ def cluster():
     hosts = started(2, "a multi-node Slurm test cluster")
     try:
         nodes = [Node(h.name, h.address, hosts.enter(h.name)) for h in hosts.hosts]
-        slurm = SlurmCluster(nodes=nodes, controller_address=f"{SUBNET}.1")
-        try:
-            slurm.start(timeout=60, lock_timeout=300)
-        except Unavailable as e:
-            skip_or_fail("a multi-node Slurm test cluster", e)
-        except SlurmError as e:
-            pytest.fail(f"Slurm over the hosts did not start: {e}")
+        slurm = start_or_skip(SlurmCluster(nodes=nodes, controller_address=f"{SUBNET}.1"),
+                              "a multi-node Slurm test cluster", timeout=60, lock_timeout=300)
         try:
             yield hosts, slurm
         finally:

@@ -17,8 +17,9 @@ import pytest
 
 from mpidp.config import LAUNCHER_PREFIXES
 
-from .slurm_cluster import ROOT, SlurmCluster, SlurmError, Unavailable
-from .unavailable import skip_or_fail
+from .cluster_kit import start_or_skip
+from .launch import ROOT
+from .slurm_cluster import SlurmCluster
 
 SLURM_DIR = ROOT / "examples" / "slurm"
 TRAIN = ROOT / "examples" / "train.py"
@@ -30,13 +31,8 @@ pytestmark = pytest.mark.xdist_group("clusters")
 
 @pytest.fixture(scope="module")
 def slurm():
-    cluster = SlurmCluster()
-    try:
-        cluster.start(timeout=60, lock_timeout=300)
-    except Unavailable as e:
-        skip_or_fail("Slurm to test the batch scripts with", e)
-    except SlurmError as e:
-        pytest.fail(f"Slurm did not start: {e}")
+    cluster = start_or_skip(SlurmCluster(), "Slurm to test the batch scripts with", timeout=60,
+                            lock_timeout=300)
     yield cluster
     cluster.stop()  # raises if a daemon it started is still running
 
