@@ -6,7 +6,7 @@ import os
 import pytest
 
 from . import chaos
-from .unavailable import skip_or_fail
+from .cluster_kit import skip_or_fail
 
 pytestmark = pytest.mark.timeout(300)
 N = 3
