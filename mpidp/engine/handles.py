@@ -21,7 +21,7 @@ class Handle:
     and one is created per op per step. The engine's op record (tensor_queue.Entry) is one.
     """
 
-    __slots__ = ("name", "_lock", "_done", "_result", "_error")
+    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_then")
 
     def __init__(self, name: str):
         self.name = name
@@ -30,6 +30,7 @@ class Handle:
         self._done = False
         self._result = None
         self._error: Optional[BaseException] = None
+        self._then: Optional[Callable[["Handle"], None]] = None
 
     def done(self) -> bool:
         return self._done
@@ -38,12 +39,23 @@ class Handle:
         self._result = result
         self._done = True
         self._lock.release()
+        if self._then is not None:
+            self._then(self)
 
     def set_error(self, error: BaseException) -> None:
         if not self._done:
             self._error = error
             self._done = True
             self._lock.release()
+            if self._then is not None:
+                self._then(self)
+
+    def then(self, fn: Callable[["Handle"], None]) -> None:
+        """Call `fn(self)` on completion, on the completing thread (at once if done already).
+        `fn` may be called twice when completion races with this call: it must be idempotent."""
+        self._then = fn
+        if self._done:
+            fn(self)
 
     def wait(self, timeout: Optional[float] = None):
         """Block until completed; raise its error (a fresh copy per waiter) or OpTimeoutError."""
@@ -86,6 +98,29 @@ class HandleTable:
         except (KeyError, TypeError):
             raise ValueError(f"handle {hid!r} is unknown: it was already synchronized, or it "
                              f"belongs to an earlier init()") from None
+
+    def when_done(self, hid: int, fn: Callable[[], None]) -> None:
+        """Call `fn()` once, when every op of handle `hid` has completed: on the thread that
+        completes the last one (the engine's, or a user thread driving it; at once if all are
+        done). `fn` runs inside the engine's cycle: it must not block or wait for an op."""
+        members = self._get(hid)[0]
+        if not members:
+            fn()
+            return
+        seen: set = set()
+        lock = threading.Lock()
+
+        def one(handle: Handle) -> None:
+            with lock:
+                if id(handle) in seen:
+                    return
+                seen.add(id(handle))
+                last = len(seen) == len(members)
+            if last:
+                fn()
+
+        for h in members:
+            h.then(one)
 
     def poll(self, hid: int) -> bool:
         return all(h.done() for h in self._get(hid)[0])

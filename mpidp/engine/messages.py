@@ -28,6 +28,10 @@ class ReduceOp(enum.IntEnum):
     MIN = 3
     MAX = 4
     PRODUCT = 5
+    # Bitwise, on integers and bool only (torch.distributed's BAND, BOR and BXOR).
+    BAND = 6
+    BOR = 7
+    BXOR = 8
 
 
 JOIN_NAME = "mpidp.join"  # the one name join() requests use on every rank

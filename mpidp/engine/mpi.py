@@ -14,10 +14,12 @@ from ..log import logger
 from .messages import ReduceOp
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND,
+            ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
 # MPI's arithmetic ops are not defined on C_BOOL; the logical ones are what Sum/Min/... mean there.
 _BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.AVERAGE: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-             ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND}
+             ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND, ReduceOp.BAND: MPI.LAND,
+             ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR}
 
 # How a thread that waits for a result waits (wait() with `spin`): it tests the request and
 # yields the core between tests, as MPICH's own blocking wait does. MPICH advances a non-blocking
@@ -43,13 +45,14 @@ def user_op(combine):
                          commute=True)
 
 
-def wait(request, spin: bool = True, poll=None) -> None:
+def wait(request, spin: bool = True, poll=None, status=None) -> None:
     """Complete a non-blocking MPI request. With `spin` (a thread waits for this result, so the
     CPU is ours): test and yield between tests for up to _YIELD_S, then poll with a bounded
     back-off. Without it (a backward pass needs the core): the back-off at once. `poll()`, if
     given, is called between tests once the request did not complete at once (the engine uses
-    it to wake sleeping peers it waits for), at least every _POLL_EVERY_S."""
-    if request.Test():
+    it to wake sleeping peers it waits for), at least every _POLL_EVERY_S. `status`: an
+    MPI.Status (new_status()) that receives the completed request's status."""
+    if request.Test(status):
         return
     if poll is not None:
         poll()
@@ -57,7 +60,7 @@ def wait(request, spin: bool = True, poll=None) -> None:
         now = time.perf_counter()
         end, next_poll = now + _YIELD_S, now + _POLL_EVERY_S
         while True:
-            if request.Test():
+            if request.Test(status):
                 return
             os.sched_yield()
             now = time.perf_counter()
@@ -67,7 +70,7 @@ def wait(request, spin: bool = True, poll=None) -> None:
                 poll()
                 next_poll = now + _POLL_EVERY_S
     delay = 20e-6
-    while not request.Test():
+    while not request.Test(status):
         time.sleep(delay)
         delay = min(delay * 2, _SLEEP_MAX_S)
         if poll is not None:
@@ -106,6 +109,8 @@ class Comms:
         # and wake-up messages (point to point) one more, so nothing else ever matches them.
         self.control = self.world.Dup()
         self.wake = self.world.Dup()
+        # Point to point for users (torch.distributed's send/recv), from their own threads.
+        self.p2p = self.world.Dup()
         self.local_sizes = self.world.allgather(self.local.Get_size())
         self.hosts = self.world.allgather(MPI.Get_processor_name())  # errors name them
         # Marks this engine's wake-ups: a freed communicator's context id may come back in a
@@ -124,7 +129,7 @@ class Comms:
         return len(set(self.local_sizes)) == 1
 
     def free(self) -> None:
-        for comm in (self.wake, self.control, self.cross, self.local, self.world):
+        for comm in (self.p2p, self.wake, self.control, self.cross, self.local, self.world):
             if comm != MPI.COMM_NULL:
                 comm.Free()
 
@@ -355,3 +360,23 @@ def exchange(comm, send: np.ndarray, recv: np.ndarray, peer: int, tag: int, spin
     got = comm.Irecv([recv, MPI.BYTE], source=peer, tag=tag)
     wait(comm.Isend([send, MPI.BYTE], dest=peer, tag=tag), spin)
     wait(got, spin)
+
+
+# ---- point to point for users (torch.distributed's send and recv, mpidp/distributed/p2p.py) ----
+
+ANY_SOURCE = MPI.ANY_SOURCE
+
+
+def isend(comm, buf: np.ndarray, dest: int, tag: int):
+    """Start sending the bytes of `buf` to `dest`; complete it with test() or wait()."""
+    return comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)
+
+
+def irecv(comm, buf: np.ndarray, source: int, tag: int):
+    """Start receiving into the bytes of `buf` from `source` (ANY_SOURCE: whoever sends)."""
+    return comm.Irecv([buf, MPI.BYTE], source=source, tag=tag)
+
+
+def new_status():
+    """An MPI status for wait(status=...); its Get_source() names a receive's sender."""
+    return MPI.Status()

@@ -84,7 +84,8 @@ def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
         return (f"{label}: {_ranks(joined)} already called join(); only allreduce may run while "
                 f"ranks are joined{hint}")
     if first.op == OpType.ALLREDUCE and joined and first.reduce_op in (ReduceOp.MIN, ReduceOp.MAX,
-                                                                          ReduceOp.PRODUCT):
+                                                                          ReduceOp.PRODUCT,
+                                                                          ReduceOp.BAND):
         # Zeros from joined ranks would silently change a min, max or product.
         return (f"{label}: reduce op {ReduceOp(first.reduce_op).name.capitalize()} cannot run "
                 f"while {_ranks(joined)} are joined (they contribute zeros); use Sum or Average")

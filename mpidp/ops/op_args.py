@@ -15,6 +15,7 @@ from ..errors import ArgumentError
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 Adasum = ReduceOp.ADASUM
+BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 def check_tensor(tensor, what: str, inplace: bool) -> torch.Tensor:
@@ -101,6 +102,9 @@ def check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
                         f"or Min (logical and)")
     if (pre != 1.0 or post != 1.0) and tensor.dtype == torch.bool:
         raise TypeError(f"{what}: prescale/postscale factors are not defined for bool tensors")
+    if op in BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"{what}: {ReduceOp(op).name} is a bitwise reduction, defined for "
+                        f"integer and bool tensors, not {tensor.dtype}")
     if op == Adasum and not tensor.is_floating_point():
         raise TypeError(f"{what}: Adasum is defined for float16, bfloat16, float32 and float64 "
                         f"tensors, not {tensor.dtype}; cast the tensor or use mpidp.Sum")

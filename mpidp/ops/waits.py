@@ -38,3 +38,10 @@ class CallableHandle(int):
     def __call__(self):
         """Wait for the op and return its output. Synchronization: synchronize()'s."""
         return synchronize(self)
+
+
+def when_done(handle: int, fn) -> None:
+    """Call `fn()` once the op behind `handle` has completed (at once if it has): on the thread
+    that completes it, inside the engine's cycle, so `fn` must only hand the news on (queue
+    it), never block or wait for an op. synchronize(handle) then returns without waiting."""
+    world.state().handles.when_done(handle, fn)

@@ -96,6 +96,17 @@ def add_process_set(process_set) -> ProcessSet:
     return process_set
 
 
+def add_member_process_set(ranks) -> ProcessSet:
+    """Register a set of `ranks` on its members only, as torch.distributed's new_group creates
+    a group: ranks outside it do not call this and never learn of the set. Its id is local to
+    this rank. Synchronization: collective over the members, which must create their common
+    sets in the same order.
+    """
+    process_set = ProcessSet(ranks)
+    process_set.process_set_id = world.add_member_set(process_set.ranks)
+    return process_set
+
+
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a set: members stop its engine (pending ops on it fail); returns True.
 

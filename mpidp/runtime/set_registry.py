@@ -3,6 +3,8 @@
 The caller (runtime) passes mpi4py's MPI module in: only the runtime and engine/mpi.py import it.
 """
 
+import zlib
+
 from ..log import logger
 from .member import Member
 
@@ -85,14 +87,33 @@ def register(MPI, st, obj, start: bool) -> int:
     return next((sid for sid, ranks in zip(ids, parts) if st.comms.rank in ranks), ids[0])
 
 
-def _create(MPI, st, ranks: tuple, start: bool) -> int:
-    """Give `ranks` an id and, on its members, a communicator and an engine (collective)."""
+def register_members(MPI, st, ranks) -> int:
+    """Register a process set of `ranks` on its members only (torch.distributed's new_group
+    creates a group on its members alone); returns its id, which is this rank's own: ranks
+    outside the set never learn of it. Synchronization: collective over the members
+    (MPI_Comm_create_group), which must create their common sets in the same order.
+    """
+    ranks = ranks_of(MPI, list(ranks), st.admin)
+    if st.comms.rank not in ranks:
+        raise ValueError(f"rank {st.comms.rank} is not in {list(ranks)}: only the members of "
+                         f"a set created by its members alone may create it")
+    # Sets created at once by disjoint groups of ranks must not match each other's messages.
+    tag = zlib.crc32(repr(ranks).encode()) & 0x7FFF
+    return _create(MPI, st, ranks, True, tag)
+
+
+def _create(MPI, st, ranks: tuple, start: bool, members_only_tag: int = -1) -> int:
+    """Give `ranks` an id and, on its members, a communicator and an engine (collective over
+    the world, or over the members alone with `members_only_tag` >= 0)."""
     from ..engine.engine import Engine
     from ..engine.mpi import Comms
 
     group = st.admin.Get_group()
     sub = group.Incl(list(ranks))
-    comm = st.admin.Create(sub)
+    if members_only_tag >= 0:
+        comm = st.admin.Create_group(sub, tag=members_only_tag)
+    else:
+        comm = st.admin.Create(sub)
     sub.Free()
     group.Free()
     with st.set_lock:

@@ -114,6 +114,18 @@ def add_set(obj) -> int:
     return set_registry.register(MPI, st, obj, start=True)
 
 
+def add_member_set(ranks) -> int:
+    """Register a process set on its members only; see set_registry.register_members.
+    Synchronization: collective over the members."""
+    from mpi4py import MPI
+    st = state()
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        raise MpidpError("creating a process group after init() needs MPI_THREAD_MULTIPLE "
+                         "(mpidp's engine threads use MPI meanwhile); unset "
+                         "MPI4PY_RC_THREAD_LEVEL")
+    return set_registry.register_members(MPI, st, ranks)
+
+
 def remove_set(set_id: int, timeout: float = 60.0) -> None:
     """Stop a process set's engine on its members and forget the set on every rank.
 

@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mpidp"
 FOUNDATION = {"mpidp.errors", "mpidp.log", "mpidp.config"}
 # The wings from the lowest up (docs/architecture.md): a module may import its own wing and
 # those below it, never one above. The engine (what its thread runs) is the ground floor.
-WINGS = ["engine", "runtime", "ops", "training", "sharded", "state", "tools"]
+WINGS = ["engine", "runtime", "ops", "training", "sharded", "state", "distributed", "tools"]
 # What mpidp/ may hold at its top besides the wings: the public face, the foundation and the
 # documented user import paths (mpidp.checkpoint, mpidp.elastic, mpidp.torch, mpidp.common).
 TOP = {"__init__.py", "__main__.py", "config.py", "errors.py", "log.py", "checkpoint.py",

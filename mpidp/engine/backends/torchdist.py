@@ -49,10 +49,14 @@ _BYTE = dtypes.BYTE
 def _pg_op(reduce_op: int, is_bool: bool):
     op = ReduceOp(reduce_op)
     if is_bool:
-        return dist.ReduceOp.MIN if op in (ReduceOp.MIN, ReduceOp.PRODUCT) else dist.ReduceOp.MAX
+        if op == ReduceOp.BXOR:
+            return dist.ReduceOp.BXOR  # on 0/1 bytes: logical xor
+        return dist.ReduceOp.MIN if op in (ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND) \
+            else dist.ReduceOp.MAX
     return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
             ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
-            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}[op]
+            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT, ReduceOp.BAND: dist.ReduceOp.BAND,
+            ReduceOp.BOR: dist.ReduceOp.BOR, ReduceOp.BXOR: dist.ReduceOp.BXOR}[op]
 
 
 def _rows_as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,0 +1,403 @@
+"""ProcessGroupMpidp: a torch.distributed process group whose collectives run on mpidp's engine."""
+
+import threading
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..engine.dtypes import SUPPORTED
+from ..engine.messages import ReduceOp
+from ..ops import allreduce_ops, gather_ops
+from ..ops.barrier_join import barrier
+from ..ops.collectives import allreduce_
+from ..runtime.process_sets import global_process_set, member_of
+from . import p2p
+from .work import Work
+
+_RedOp = dist.ReduceOp.RedOpType
+_OPS = {_RedOp.SUM: ReduceOp.SUM, _RedOp.AVG: ReduceOp.AVERAGE, _RedOp.PRODUCT: ReduceOp.PRODUCT,
+        _RedOp.MIN: ReduceOp.MIN, _RedOp.MAX: ReduceOp.MAX, _RedOp.BAND: ReduceOp.BAND,
+        _RedOp.BOR: ReduceOp.BOR, _RedOp.BXOR: ReduceOp.BXOR}
+_BYTE = torch.uint8
+# Ops of one signature in flight at once on a group before the next waits for the oldest: a
+# name is reused every _NAMES_PER_SIGNATURE ops, so that repeated calls hit the response cache
+# (and a blocking call takes the express lane) while async ones may overlap.
+_NAMES_PER_SIGNATURE = 16
+
+
+def _engine_op(red) -> tuple:
+    """(mpidp ReduceOp, prescale factor) of a torch ReduceOp (PREMUL_SUM: Sum after scaling)."""
+    kind = red.op if hasattr(red, "op") else red
+    if kind == _RedOp.PREMUL_SUM:
+        factor = red.factor
+        if isinstance(factor, torch.Tensor):
+            factor = float(factor.item())
+        return ReduceOp.SUM, float(factor)
+    try:
+        return _OPS[kind], 1.0
+    except KeyError:
+        raise ValueError(f"mpidp backend: reduce op {kind} is not supported") from None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of contiguous `t` (a copy if not contiguous), as bytes if the engine does not
+    know its dtype (complex, unsigned wider than 8 bits, 8-bit floats): moving bytes is exact."""
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return flat if flat.dtype in SUPPORTED else flat.view(_BYTE)
+
+
+def _reducible(t: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
+    """The tensor the engine reduces for `t`: complex numbers as their real pairs (a sum or an
+    average is the same on both parts); a TypeError for a dtype no reduction is defined on."""
+    if t.is_complex():
+        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            raise TypeError(f"{what}: {op.name} is not defined for complex tensors; only SUM, "
+                            f"AVG and PREMUL_SUM are")
+        return torch.view_as_real(t)
+    if t.dtype not in SUPPORTED:
+        raise TypeError(f"{what}: the mpidp backend does not reduce {t.dtype} tensors; it "
+                        f"reduces {', '.join(str(d).replace('torch.', '') for d in SUPPORTED)} "
+                        f"and complex")
+    return t
+
+
+def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` (bytes or values, flat) into the caller's tensor `dst` unless it is `dst`."""
+    if src.data_ptr() == dst.data_ptr() and src.numel() * src.element_size() == \
+            dst.numel() * dst.element_size():
+        return
+    flat = dst.reshape(-1) if dst.is_contiguous() else None
+    if flat is not None and flat.dtype not in SUPPORTED:
+        flat = flat.view(_BYTE)
+    if flat is not None and flat.data_ptr() == dst.data_ptr():
+        flat.copy_(src.reshape(flat.shape))
+    else:
+        dst.copy_(src.view(dst.dtype).reshape(dst.shape) if src.dtype != dst.dtype
+                  else src.reshape(dst.shape))
+
+
+class ProcessGroupMpidp(dist.ProcessGroup):
+    """A torch.distributed process group on an mpidp process set: the world's global set, or a
+    set created by the group's members alone (torch creates a subgroup on its members only).
+
+    Every collective is one (or a few) of mpidp's ops, negotiated by the set's engine: a rank
+    that calls a different collective, or the same with another shape or dtype, is found out
+    by the engine (an error or a stall report naming the ranks) instead of hanging silently.
+    Synchronization points are torch's: each collective with every rank of the group.
+    """
+
+    def __init__(self, rank: int, size: int, process_set=None, ranks: Optional[List[int]] = None):
+        super().__init__(rank, size)
+        self._ps = process_set
+        self._ranks = list(ranks) if ranks is not None else list(range(size))
+        self._name = ""
+        self._desc = ""
+        self._counts: Dict[tuple, int] = {}
+        self._inflight: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.tag = "w" if process_set is None else f"s{'.'.join(map(str, self._ranks))}"
+
+    # ---- what torch asks of a process group ----
+
+    def getBackendName(self) -> str:
+        return "mpidp"
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def process_set(self):
+        """The mpidp process set this group runs on (mpidp.global_process_set for the world)."""
+        return global_process_set if self._ps is None else self._ps
+
+    # ---- names: one per call, the same on every rank, reused so the cache finds them ----
+
+    def _name_for(self, kind: str, tensors) -> str:
+        sig = (kind,) + tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+        with self._lock:
+            n = self._counts.get(sig, 0)
+            self._counts[sig] = n + 1
+        sig_text = ";".join(f"{d.replace('torch.', '')}{list(s)}" for d, s in sig[1:])
+        name = f"torch.{self.tag}.{kind}.{sig_text}#{n % _NAMES_PER_SIGNATURE}"
+        pending = self._inflight.get(name)
+        if pending is not None:
+            # The op that last had this name is still in flight here; every rank submitted it
+            # before this one, so it completes: wait for it before reusing its name.
+            from ..ops.waits import poll, synchronize
+            try:
+                if not poll(pending):
+                    synchronize(pending)
+            except ValueError:
+                pass  # synchronized by its work meanwhile: the handle is spent
+        return name
+
+    def _submitted(self, name: str, hid: int) -> int:
+        self._inflight[name] = hid
+        return hid
+
+    # ---- reductions ----
+
+    def _allreduce_one(self, t: torch.Tensor, red, blocking: bool):
+        """Submit the allreduce of `t` in place (None if it ran at once, blocking); returns
+        (handle or None, finish)."""
+        op, pre = _engine_op(red)
+        wire = _reducible(t, op, "all_reduce")
+        work_t = wire if wire.is_contiguous() else wire.contiguous()
+
+        def finish():
+            if work_t is not wire:
+                wire.copy_(work_t)
+        name = self._name_for("allreduce", [work_t])
+        if blocking and pre == 1.0 and t.device.type == "cpu":
+            allreduce_(work_t, name=name, op=op, process_set=self._ps)
+            finish()
+            return None, finish
+        hid = allreduce_ops.allreduce_async_(work_t, name=name, op=op, prescale_factor=pre,
+                                             process_set=self._ps)
+        return self._submitted(name, hid), finish
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        if len(tensors) != 1:
+            return self.allreduce_coalesced(tensors, opts)
+        hid, finish = self._allreduce_one(tensors[0], opts.reduceOp, not opts.asyncOp)
+        if hid is None:
+            return Work.finished(tensors)
+        return Work([hid], lambda _: (finish(), tensors)[1])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        op, pre = _engine_op(opts.reduceOp)
+        wires = [_reducible(t, op, "all_reduce_coalesced") for t in tensors]
+        work = [w if w.is_contiguous() else w.contiguous() for w in wires]
+        name = self._name_for("allreduce_coalesced", work)
+        hid = allreduce_ops.grouped_allreduce_async_(work, name=name, op=op, prescale_factor=pre,
+                                                     process_set=self._ps)
+
+        def finish(_):
+            for w, c in zip(wires, work):
+                if w is not c:
+                    w.copy_(c)
+            return list(tensors)
+        return Work([self._submitted(name, hid)], finish)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        t = tensors[0]
+        # Only the root's tensor changes, as with torch's other backends.
+        target = t if self.rank() == opts.rootRank else t.clone()
+        hid, finish = self._allreduce_one(target, opts.reduceOp, not opts.asyncOp)
+        if hid is None:
+            return Work.finished(tensors)
+        return Work([hid], lambda _: (finish(), tensors)[1])
+
+    def _reduce_scatter_one(self, output: torch.Tensor, rows: torch.Tensor, red, kind: str):
+        op, pre = _engine_op(red)
+        rows = _reducible(rows, op, kind)
+        out = _reducible(output, op, kind)
+        size = self.size()
+        src = (rows if rows.is_contiguous() else rows.contiguous()).reshape(size, -1)
+        if pre != 1.0:
+            src = src * pre
+        dst = out.reshape(1, -1) if out.is_contiguous() else torch.empty(
+            (1, out.numel()), dtype=out.dtype, device=out.device)
+        name = self._name_for(kind, [src])
+        hid = gather_ops.reducescatter_into_async(src, dst, name=name, op=op,
+                                                  process_set=self._ps)
+
+        def finish():
+            if dst.data_ptr() != out.data_ptr():
+                out.copy_(dst.reshape(out.shape))
+        return self._submitted(name, hid), finish
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        hid, fin = self._reduce_scatter_one(output, input, opts.reduceOp, "reduce_scatter")
+        return Work([hid], lambda _: (fin(), [output])[1])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        hids, fins = [], []
+        for out, parts in zip(output_tensors, input_tensors):
+            rows = torch.stack([p.reshape(-1) for p in parts])
+            hid, fin = self._reduce_scatter_one(out, rows, opts.reduceOp, "reduce_scatter")
+            hids.append(hid)
+            fins.append(fin)
+        return Work(hids, lambda _: ([f() for f in fins], list(output_tensors))[1])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        pairs = [self._reduce_scatter_one(o, i, opts.reduceOp, "reduce_scatter")
+                 for o, i in zip(outputs, inputs)]
+        return Work([h for h, _ in pairs], lambda _: ([f() for _, f in pairs], list(outputs))[1])
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ---- data movement ----
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        t = tensors[0]
+        wire = _flat(t)
+        name = self._name_for("broadcast", [wire])
+        hid = gather_ops.broadcast_async_(wire, opts.rootRank, name=name, process_set=self._ps)
+        return Work([self._submitted(name, hid)], lambda _: (_into(t, wire), tensors)[1])
+
+    def _allgather_one(self, output: torch.Tensor, input: torch.Tensor, kind: str):
+        src = _flat(input).reshape(1, -1)
+        size = self.size()
+        if output.is_contiguous() and output.numel() == size * input.numel():
+            dst = _flat(output).reshape(size, -1)
+        else:
+            dst = torch.empty((size, src.shape[1]), dtype=src.dtype, device=src.device)
+        name = self._name_for(kind, [src])
+        hid = gather_ops.allgather_into_async(src, dst, name=name, process_set=self._ps)
+        return self._submitted(name, hid), dst
+
+    def _allgather_base(self, output, input, opts=None):
+        hid, dst = self._allgather_one(output, input, "allgather")
+        return Work([hid], lambda _: (_into(output, dst), [output])[1])
+
+    all_gather_single = _allgather_base
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        jobs = [self._allgather_one(torch.empty(0), t, "allgather") for t in input_tensors]
+
+        def finish(_):
+            for outs, (_, dst) in zip(output_tensors, jobs):
+                for i, o in enumerate(outs):
+                    _into(o, dst[i])
+            return [o for outs in output_tensors for o in outs]
+        return Work([h for h, _ in jobs], finish)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        jobs = [self._allgather_one(o, i, "allgather") for o, i in zip(outputs, inputs)]
+
+        def finish(_):
+            for o, (_, dst) in zip(outputs, jobs):
+                _into(o, dst)
+            return list(outputs)
+        return Work([h for h, _ in jobs], finish)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def _alltoall_flat(self, send: torch.Tensor, splits: List[int], kind: str):
+        name = self._name_for(kind, [send])
+        hid = gather_ops.alltoall_received_async(send, splits=splits, name=name,
+                                                 process_set=self._ps)
+        return self._submitted(name, hid)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        size = self.size()
+        rows = input.shape[0] if input.dim() else 1
+        if not input_split_sizes:
+            if rows % size:
+                raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over "
+                                 f"{size} ranks; pass input_split_sizes")
+            input_split_sizes = [rows // size] * size
+        row = input.numel() // max(rows, 1)
+        send = _flat(input)
+        scale = send.numel() // max(input.numel(), 1) if input.numel() else 1
+        splits = [s * row * scale for s in input_split_sizes]
+        hid = self._alltoall_flat(send, splits, "alltoall")
+
+        def finish(results):
+            received, _ = results[0]
+            _into(output, received)
+            return [output]
+        return Work([hid], finish)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        flats = [_flat(t) for t in input_tensors]
+        send = torch.cat(flats) if flats else torch.empty(0, dtype=_BYTE)
+        hid = self._alltoall_flat(send, [f.numel() for f in flats], "alltoall")
+
+        def finish(results):
+            received, counts = results[0]
+            offset = 0
+            for o, n in zip(output_tensors, counts.tolist()):
+                _into(o, received[offset:offset + n])
+                offset += n
+            return list(output_tensors)
+        return Work([hid], finish)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.GatherOptions()
+        send = _flat(input_tensors[0])
+        splits = [0] * self.size()
+        splits[opts.rootRank] = send.numel()
+        hid = self._alltoall_flat(send, splits, "gather")
+
+        def finish(results):
+            received, counts = results[0]
+            if self.rank() == opts.rootRank:
+                offset = 0
+                for o, n in zip(output_tensors[0], counts.tolist()):
+                    _into(o, received[offset:offset + n])
+                    offset += n
+            return [o for outs in output_tensors for o in outs]
+        return Work([hid], finish)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.ScatterOptions()
+        out = output_tensors[0]
+        if self.rank() == opts.rootRank:
+            flats = [_flat(t) for t in input_tensors[0]]
+            send, splits = torch.cat(flats), [f.numel() for f in flats]
+        else:
+            send, splits = _flat(out)[:0], [0] * self.size()
+        hid = self._alltoall_flat(send, splits, "scatter")
+
+        def finish(results):
+            _into(out, results[0][0])
+            return [out]
+        return Work([hid], finish)
+
+    def barrier(self, opts=None):
+        barrier(self._ps)
+        return Work.finished([])
+
+    # ---- point to point ----
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        return p2p.send(self._ps, tensors[0], dst, tag)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        return p2p.recv(self._ps, tensors[0], src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        return p2p.recv(self._ps, tensors[0], None, tag)
+
+    # ---- lifetime ----
+
+    def shutdown(self) -> None:
+        """Called by destroy_process_group(): a subgroup's set stops its engine (the world's
+        set stays: mpidp.torch may use it). Synchronization: the group's members."""
+        if self._ps is not None and self._ps.process_set_id is not None:
+            from ..runtime.process_sets import remove_process_set
+            remove_process_set(self._ps)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def member(process_set) -> tuple:
+    """(state, member) of this rank in `process_set` (None: the world); see member_of."""
+    return member_of(process_set, "torch.distributed")
