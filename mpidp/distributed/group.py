@@ -122,8 +122,12 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     # ---- names: one per call, the same on every rank, reused so the cache finds them ----
 
-    def _name_for(self, kind: str, tensors) -> str:
-        sig = (kind,) + tuple((str(t.dtype), tuple(t.shape)) for t in tensors)
+    def _name_for(self, kind: str, tensors, shaped: bool = True) -> str:
+        """The name of the next `kind` call on `tensors`: the same on every rank as long as
+        the ranks make the same calls in the same order (torch's rule). `shaped=False` for
+        calls whose tensors may differ in shape between ranks (all-to-all, gather, scatter)."""
+        sig = (kind,) + tuple((str(t.dtype), tuple(t.shape) if shaped else ())
+                              for t in tensors)
         with self._lock:
             n = self._counts.get(sig, 0)
             self._counts[sig] = n + 1
@@ -297,7 +301,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         return self.allgather(output_lists, input_list, opts)
 
     def _alltoall_flat(self, send: torch.Tensor, splits: List[int], kind: str):
-        name = self._name_for(kind, [send])
+        name = self._name_for(kind, [send], shaped=False)
         hid = gather_ops.alltoall_received_async(send, splits=splits, name=name,
                                                  process_set=self._ps)
         return self._submitted(name, hid)

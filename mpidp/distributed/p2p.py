@@ -60,11 +60,11 @@ class _PointWork(Work):
         self._staged = staged  # a receive into a device tensor lands on the host first
         self._keep = keep      # MPI reads or writes this memory until the request completes
         self._target = value[0]
-        self._source = -1
-        super().__init__([], lambda _: value, lambda: self._source, pending=True)
+        self._sender = -1
+        super().__init__([], lambda _: value, lambda: self._sender, pending=True)
 
     def _results(self) -> list:
-        self._source = _wait(self._request)
+        self._sender = _wait(self._request)
         if self._staged is not None:
             self._target.copy_(self._staged)
         self._keep = self._staged = None
