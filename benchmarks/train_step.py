@@ -7,7 +7,9 @@ One torch thread per rank. Each round runs every contender for --steps steps on 
 the model (same initial weights), in a rotating order; medians over all rounds are reported with
 ratios: mpidp / the best hand-written MPI strategy after backward (per-tensor: one in-place
 Allreduce per gradient; hybrid: gradients < 64 KB packed into one buffer, larger ones in place in
-4 MB chunks), DDP step / mpidp step, and scaling efficiency (no-communication step / mpidp step).
+4 MB chunks), DDP step / mpidp step, DDP over backend "mpidp" (mpidp.distributed) against DDP
+over gloo and against mpidp's own optimizer, and scaling efficiency (no-communication step /
+mpidp step).
 --overlap-ab adds two mpidp contenders that overlap reductions with backward and that do not,
 whatever MPIDP_OVERLAP's auto picks here (docs: README, MPIDP_OVERLAP).
 """
@@ -36,12 +38,17 @@ MODELS = {
 }
 
 
+MPIDP_GROUP = []  # torch.distributed group on backend "mpidp", beside gloo's default group
+
+
 def setup_gloo(comm):
     """torch.distributed with gloo for the DDP contender, rendezvous address sent over MPI."""
     port = comm.bcast(29500 + os.getpid() % 1000 if comm.rank == 0 else None, root=0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
+    MPIDP_GROUP.append(dist.new_group(backend="mpidp"))
 
 
 class Contender:
@@ -81,6 +88,8 @@ def contenders(build, comm, overlap_ab=False):
         out.append(Contender(f"mpidp {mode[0]}", m, opt))
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     out.append(Contender("DDP (gloo)", m, sgd(m)))
+    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=MPIDP_GROUP[0])
+    out.append(Contender("DDP (mpidp backend)", m, sgd(m)))
     m = copy.deepcopy(base)
     raw = comm.Dup()
 
@@ -159,6 +168,9 @@ def main():
             for mode in ("overlap", "no overlap") if args.overlap_ab else ():
                 print(f"  mpidp {mode:10s} / best hand-written {med[f'mpidp {mode}'] / raw:6.3f}")
             print(f"  DDP (gloo) / mpidp               {ddp / ours:8.3f}   (goal > 1)")
+            on_us = med["DDP (mpidp backend)"]
+            print(f"  DDP (mpidp backend) / DDP (gloo) {on_us / ddp:8.3f}   (goal <= 0.80)")
+            print(f"  DDP (mpidp backend) / mpidp      {on_us / ours:8.3f}   (goal <= 1.05)")
             print(f"  scaling efficiency               {base / ours:8.3f}   (no communication "
                   f"/ mpidp)")
         if args.json:

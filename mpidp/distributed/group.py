@@ -1,7 +1,6 @@
 """ProcessGroupMpidp: a torch.distributed process group whose collectives run on mpidp's engine."""
 
-import threading
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -11,8 +10,10 @@ from ..engine.messages import ReduceOp
 from ..ops import allreduce_ops, gather_ops
 from ..ops.barrier_join import barrier
 from ..ops.collectives import allreduce_
+from ..ops.op_args import BITWISE
 from ..runtime.process_sets import global_process_set, member_of
 from . import p2p
+from .naming import CallNames
 from .work import Work
 
 _RedOp = dist.ReduceOp.RedOpType
@@ -20,12 +21,6 @@ _OPS = {_RedOp.SUM: ReduceOp.SUM, _RedOp.AVG: ReduceOp.AVERAGE, _RedOp.PRODUCT: 
         _RedOp.MIN: ReduceOp.MIN, _RedOp.MAX: ReduceOp.MAX, _RedOp.BAND: ReduceOp.BAND,
         _RedOp.BOR: ReduceOp.BOR, _RedOp.BXOR: ReduceOp.BXOR}
 _BYTE = torch.uint8
-# Ops of one signature in flight at once on a group before the next waits for the oldest: a
-# name is reused every _NAMES_PER_SIGNATURE ops, so that repeated calls hit the response cache
-# (and a blocking call takes the express lane) while async ones may overlap.
-_NAMES_PER_SIGNATURE = 16
-
-
 def _engine_op(red) -> tuple:
     """(mpidp ReduceOp, prescale factor) of a torch ReduceOp (PREMUL_SUM: Sum after scaling)."""
     kind = red.op if hasattr(red, "op") else red
@@ -93,10 +88,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         self._ranks = list(ranks) if ranks is not None else list(range(size))
         self._name = ""
         self._desc = ""
-        self._counts: Dict[tuple, int] = {}
-        self._inflight: Dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.tag = "w" if process_set is None else f"s{'.'.join(map(str, self._ranks))}"
+        self._done = Work.finished([])  # what a blocking call returns: torch only waits on it
+        self._names = CallNames("w" if process_set is None
+                                else f"s{'.'.join(map(str, self._ranks))}")
 
     # ---- what torch asks of a process group ----
 
@@ -120,35 +114,6 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         """The mpidp process set this group runs on (mpidp.global_process_set for the world)."""
         return global_process_set if self._ps is None else self._ps
 
-    # ---- names: one per call, the same on every rank, reused so the cache finds them ----
-
-    def _name_for(self, kind: str, tensors, shaped: bool = True) -> str:
-        """The name of the next `kind` call on `tensors`: the same on every rank as long as
-        the ranks make the same calls in the same order (torch's rule). `shaped=False` for
-        calls whose tensors may differ in shape between ranks (all-to-all, gather, scatter)."""
-        sig = (kind,) + tuple((str(t.dtype), tuple(t.shape) if shaped else ())
-                              for t in tensors)
-        with self._lock:
-            n = self._counts.get(sig, 0)
-            self._counts[sig] = n + 1
-        sig_text = ";".join(f"{d.replace('torch.', '')}{list(s)}" for d, s in sig[1:])
-        name = f"torch.{self.tag}.{kind}.{sig_text}#{n % _NAMES_PER_SIGNATURE}"
-        pending = self._inflight.get(name)
-        if pending is not None:
-            # The op that last had this name is still in flight here; every rank submitted it
-            # before this one, so it completes: wait for it before reusing its name.
-            from ..ops.waits import poll, synchronize
-            try:
-                if not poll(pending):
-                    synchronize(pending)
-            except ValueError:
-                pass  # synchronized by its work meanwhile: the handle is spent
-        return name
-
-    def _submitted(self, name: str, hid: int) -> int:
-        self._inflight[name] = hid
-        return hid
-
     # ---- reductions ----
 
     def _allreduce_one(self, t: torch.Tensor, red, blocking: bool):
@@ -161,17 +126,24 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         def finish():
             if work_t is not wire:
                 wire.copy_(work_t)
-        name = self._name_for("allreduce", [work_t])
+        name = self._names.next("allreduce", [work_t])
         if blocking and pre == 1.0 and t.device.type == "cpu":
             allreduce_(work_t, name=name, op=op, process_set=self._ps)
             finish()
             return None, finish
         hid = allreduce_ops.allreduce_async_(work_t, name=name, op=op, prescale_factor=pre,
                                              process_set=self._ps)
-        return self._submitted(name, hid), finish
+        return self._names.submitted(name, hid), finish
 
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
+        if not opts.asyncOp and len(tensors) == 1:  # the blocking call's short way
+            t, op = tensors[0], _OPS.get(opts.reduceOp.op)
+            if op is not None and t.is_cpu and t.dtype in SUPPORTED and t.is_contiguous() \
+                    and op not in BITWISE:
+                allreduce_(t, name=self._names.next("allreduce", (t,)), op=op,
+                           process_set=self._ps)
+                return self._done
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         hid, finish = self._allreduce_one(tensors[0], opts.reduceOp, not opts.asyncOp)
@@ -184,7 +156,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         op, pre = _engine_op(opts.reduceOp)
         wires = [_reducible(t, op, "all_reduce_coalesced") for t in tensors]
         work = [w if w.is_contiguous() else w.contiguous() for w in wires]
-        name = self._name_for("allreduce_coalesced", work)
+        name = self._names.next("allreduce_coalesced", work)
         hid = allreduce_ops.grouped_allreduce_async_(work, name=name, op=op, prescale_factor=pre,
                                                      process_set=self._ps)
 
@@ -193,7 +165,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 if w is not c:
                     w.copy_(c)
             return list(tensors)
-        return Work([self._submitted(name, hid)], finish)
+        return Work([self._names.submitted(name, hid)], finish)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -215,14 +187,14 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             src = src * pre
         dst = out.reshape(1, -1) if out.is_contiguous() else torch.empty(
             (1, out.numel()), dtype=out.dtype, device=out.device)
-        name = self._name_for(kind, [src])
+        name = self._names.next(kind, [src])
         hid = gather_ops.reducescatter_into_async(src, dst, name=name, op=op,
                                                   process_set=self._ps)
 
         def finish():
             if dst.data_ptr() != out.data_ptr():
                 out.copy_(dst.reshape(out.shape))
-        return self._submitted(name, hid), finish
+        return self._names.submitted(name, hid), finish
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -255,9 +227,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         opts = opts if opts is not None else dist.BroadcastOptions()
         t = tensors[0]
         wire = _flat(t)
-        name = self._name_for("broadcast", [wire])
+        name = self._names.next("broadcast", [wire])
         hid = gather_ops.broadcast_async_(wire, opts.rootRank, name=name, process_set=self._ps)
-        return Work([self._submitted(name, hid)], lambda _: (_into(t, wire), tensors)[1])
+        return Work([self._names.submitted(name, hid)], lambda _: (_into(t, wire), tensors)[1])
 
     def _allgather_one(self, output: torch.Tensor, input: torch.Tensor, kind: str):
         src = _flat(input).reshape(1, -1)
@@ -266,9 +238,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             dst = _flat(output).reshape(size, -1)
         else:
             dst = torch.empty((size, src.shape[1]), dtype=src.dtype, device=src.device)
-        name = self._name_for(kind, [src])
+        name = self._names.next(kind, [src])
         hid = gather_ops.allgather_into_async(src, dst, name=name, process_set=self._ps)
-        return self._submitted(name, hid), dst
+        return self._names.submitted(name, hid), dst
 
     def _allgather_base(self, output, input, opts=None):
         hid, dst = self._allgather_one(output, input, "allgather")
@@ -301,10 +273,10 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         return self.allgather(output_lists, input_list, opts)
 
     def _alltoall_flat(self, send: torch.Tensor, splits: List[int], kind: str):
-        name = self._name_for(kind, [send], shaped=False)
+        name = self._names.next(kind, [send], shaped=False)
         hid = gather_ops.alltoall_received_async(send, splits=splits, name=name,
                                                  process_set=self._ps)
-        return self._submitted(name, hid)
+        return self._names.submitted(name, hid)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         size = self.size()

@@ -1,0 +1,54 @@
+"""Names of a group's torch.distributed calls: the same on every rank, reused so the cache hits."""
+
+import threading
+from typing import Dict, List, Sequence
+
+from ..ops.waits import poll, synchronize
+
+# Ops of one signature in flight at once on a group before the next waits for the oldest: a
+# name is reused every NAMES_PER_SIGNATURE calls, so that repeated calls hit the engine's
+# response cache (and a blocking allreduce takes the express lane) while async ones overlap.
+NAMES_PER_SIGNATURE = 16
+
+
+class CallNames:
+    """Names calls by kind and signature (dtypes and, where ranks must agree on them, shapes)
+    and by their count: ranks that make the same calls in the same order, as torch requires,
+    give each call the same name; a rank that calls something else is found out by the engine
+    (a mismatch when the names agree, the stall report naming the ranks when they do not)."""
+
+    def __init__(self, tag: str):
+        self._tag = tag
+        self._names: Dict[tuple, List[str]] = {}
+        self._counts: Dict[tuple, int] = {}
+        self._inflight: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def next(self, kind: str, tensors: Sequence, shaped: bool = True) -> str:
+        """The next `kind` call's name. `shaped=False` for calls whose tensors may differ in
+        shape between ranks (all-to-all, gather, scatter). May wait for the call that last
+        had the name, if it is still in flight. Synchronization: that call's, if so."""
+        sig = (kind,) + tuple((t.dtype, t.shape if shaped else ()) for t in tensors)
+        with self._lock:
+            names = self._names.get(sig)
+            if names is None:
+                text = ";".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s in sig[1:])
+                names = self._names[sig] = [f"torch.{self._tag}.{kind}.{text}#{k}"
+                                            for k in range(NAMES_PER_SIGNATURE)]
+            n = self._counts.get(sig, 0)
+            self._counts[sig] = n + 1
+        name = names[n % NAMES_PER_SIGNATURE]
+        pending = self._inflight.pop(name, None)
+        if pending is not None:
+            # Every rank submitted that call before this one, so it completes.
+            try:
+                if not poll(pending):
+                    synchronize(pending)
+            except ValueError:
+                pass  # its work synchronized it meanwhile: the handle is spent
+        return name
+
+    def submitted(self, name: str, handle: int) -> int:
+        """Note that `name`'s call is in flight as `handle`; returns the handle."""
+        self._inflight[name] = handle
+        return handle
