@@ -2,7 +2,7 @@
 
 import dataclasses
 import os
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, TypeVar
 
 from .errors import ConfigError
 
@@ -12,7 +12,8 @@ TIMELINE_DYNAMIC = "DYNAMIC"  # timeline_path meaning "no file until start_timel
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
-    """One knob: its Config field, variables, parser, default (its type is the field's), doc."""
+    """One knob: its Config field, variables, parser, default (its type is the field's), doc;
+    KNOBS reads them from Config's fields."""
 
     field: str
     env: str
@@ -63,7 +64,7 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
-def _choice(*allowed):
+def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         low = text.strip().lower()
         if low not in allowed:
@@ -80,133 +81,175 @@ def _path(text: str) -> str:
 _log_level = _choice("trace", "debug", "info", "warning", "error", "fatal")
 
 
-KNOBS: Tuple[Knob, ...] = (
-    Knob("fusion_threshold_bytes", "MPIDP_FUSION_THRESHOLD_BYTES", _nonneg_int, 4 * MiB,
-         "Most bytes packed into one fusion buffer; 0 disables fusion. 4 MiB, not Horovod's "
-         "128 MiB: with 16-64 MiB buffers the ResNet-18 gradients took 1.5-1.9x the best "
-         "raw time, against 1.3x with 1-4 MiB (BENCHMARKS.md, fusion sweep).",
-         horovod="HOROVOD_FUSION_THRESHOLD"),
-    Knob("fuse_below_bytes", "MPIDP_FUSE_BELOW_BYTES", _nonneg_int, 64 * 1024,
-         "Only tensors smaller than this are fused; larger ones are reduced on their own, in "
-         "place, with no copy: per-tensor calls beat pack+unpack once a tensor is "
-         "bandwidth-bound (BENCHMARKS.md).", ),
-    Knob("chunk_bytes", "MPIDP_CHUNK_BYTES", _nonneg_int, 4 * MiB,
-         "A tensor reduced on its own is cut into chunks of this many bytes, each one "
-         "collective on a slice in place; 0 means never chunk. Cache-sized chunks run at about "
-         "twice the bandwidth of one 64 MB call on one host (BENCHMARKS.md). Unset, a job "
-         "whose ranks span hosts does not chunk: there the network sets the pace, and each "
-         "chunk's start and end leave the link idle.", ),
-    Knob("cycle_time_ms", "MPIDP_CYCLE_TIME_MS", _nonneg_float, 0.0,
-         "Shortest time between the starts of two engine cycles while work flows. 0 (Horovod: "
-         "1 ms) because the cycle wakes on submission: a fixed wait adds directly to the latency "
-         "of every blocking op.", horovod="HOROVOD_CYCLE_TIME"),
-    Knob("bucket_bytes", "MPIDP_BUCKET_BYTES", _nonneg_int, 25 * MiB,
-         "DistributedOptimizer groups gradients, in reverse order of the parameters, into "
-         "buckets of at most this many bytes; a bucket is one op (one negotiation, one handle) "
-         "submitted when its last gradient is ready. 0: one op per parameter.", ),
-    Knob("overlap", "MPIDP_OVERLAP", _choice("auto", "0", "1"), "auto",
-         "1: DistributedOptimizer starts a bucket's reduction during the backward pass, once its "
-         "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
-         "parameters are on the CPU, all ranks are on one host and a rank's share of the "
-         "host's cores is no more than torch's threads, where overlapping slowed training "
-         "steps by 5-80 % here (BENCHMARKS.md). Across hosts auto is 1: the engine waits for "
-         "the network without spinning.", must_agree=False),
-    Knob("reduce_in_backward", "MPIDP_REDUCE_IN_BACKWARD", _parse_bool, True,
-         "1: the backward pass that ends a DistributedOptimizer step (its "
-         "backward_passes_per_step-th) returns only once every gradient is averaged, as with "
-         "DDP, so clipping, GradScaler or logging between backward() and step() see the "
-         "averaged gradients; 0: the reductions are waited for in step() or synchronize(), as "
-         "in Horovod."),
-    Knob("keep_freed_memory", "MPIDP_KEEP_FREED_MEMORY", _parse_bool, True,
-         "1: init() tells glibc's malloc to keep freed blocks below 256 MiB for reuse instead of "
-         "giving them back and page-faulting them in again every step (Adam training steps ran "
-         "5-20 % faster here, peak memory unchanged; BENCHMARKS.md); 0, or the environment "
-         "setting malloc's thresholds, leaves malloc alone.", must_agree=False),
-    Knob("cache_capacity", "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
-         "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
-         horovod="HOROVOD_CACHE_CAPACITY"),
-    Knob("stall_warning_s", "MPIDP_STALL_WARNING_S", _nonneg_float, 60.0,
-         "Seconds a tensor may wait for missing ranks before rank 0 logs which ranks and "
-         "tensors are missing, and an MPI call every rank entered may last before the "
-         "waiting ranks log it with the ranks and hosts they wait on (a slow or cut link); "
-         "0 disables the check.",
-         horovod="HOROVOD_STALL_CHECK_TIME_SECONDS"),
-    Knob("stall_shutdown_s", "MPIDP_STALL_SHUTDOWN_S", _nonneg_float, 0.0,
-         "Seconds after which a stalled tensor shuts the engine down and fails every pending "
-         "op, and after which a rank stuck in an MPI call (a host unreachable) ends the job "
-         "naming the ranks and hosts it waits on; 0 means never.",
-         horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
-    Knob("log_level", "MPIDP_LOG_LEVEL", _log_level, "warning",
-         "Level of mpidp's rank-prefixed log.", horovod="HOROVOD_LOG_LEVEL", must_agree=False),
-    Knob("abort_on_error", "MPIDP_ABORT_ON_ERROR", _parse_bool, True,
-         "An uncaught exception on any rank logs rank, host and traceback, then aborts the "
-         "whole job (MPI_Abort) so no other rank waits for it forever; 0 turns this off.",
-         must_agree=False),
-    Knob("timeline_path", "MPIDP_TIMELINE", _path, "",
-         "Rank 0 writes a Chrome-trace JSON timeline of every op to this file; empty: none. "
-         "DYNAMIC (as in Horovod): none until start_timeline() is called.",
-         horovod="HOROVOD_TIMELINE", must_agree=False),
-    Knob("timeline_mark_cycles", "MPIDP_TIMELINE_MARK_CYCLES", _parse_bool, False,
-         "Also mark each engine cycle in the timeline.", horovod="HOROVOD_TIMELINE_MARK_CYCLES",
-         must_agree=False),
-    Knob("backend", "MPIDP_BACKEND", _choice("auto", "mpi", "nccl", "gloo"), "auto",
-         "Data path: mpi (host or CUDA-aware MPI), nccl or gloo (a torch.distributed process "
-         "group bootstrapped over MPI); auto picks mpi for CPU tensors and nccl for CUDA ones "
-         "when NCCL is available. Negotiation always runs on MPI."),
-    Knob("cuda_aware_mpi", "MPIDP_CUDA_AWARE_MPI", _choice("auto", "0", "1"), "auto",
-         "Whether MPI may be handed CUDA device buffers: auto detects it from the MPI library; "
-         "0 stages through pinned host buffers; 1 forces device buffers."),
-    Knob("hierarchical_allreduce", "MPIDP_HIERARCHICAL_ALLREDUCE", _parse_bool, False,
-         "Allreduce as reduce-scatter inside each node, allreduce across nodes, allgather "
-         "inside the node (on host memory too).", horovod="HOROVOD_HIERARCHICAL_ALLREDUCE"),
-    Knob("simulated_local_size", "MPIDP_SIMULATED_LOCAL_SIZE", _nonneg_int, 0,
-         "Test knob: group consecutive ranks into nodes of this many ranks instead of asking "
-         "MPI which ranks share memory; 0: ask MPI."),
-    Knob("rendezvous_host", "MPIDP_RENDEZVOUS_HOST", _path, "",
-         "Address rank 0 announces for the gloo/nccl process group's store; empty: rank 0's "
-         "host name."),
-    Knob("autotune", "MPIDP_AUTOTUNE", _parse_bool, False,
-         "Tune the fusion thresholds and cycle time on live traffic (knobs set explicitly are "
-         "left alone); rank 0 scores and decides, all ranks switch together.",
-         horovod="HOROVOD_AUTOTUNE"),
-    Knob("autotune_log", "MPIDP_AUTOTUNE_LOG", _path, "",
-         "Rank 0 appends one CSV line per autotune sample to this file; empty: no log.",
-         horovod="HOROVOD_AUTOTUNE_LOG", must_agree=False),
-    Knob("autotune_warmup_samples", "MPIDP_AUTOTUNE_WARMUP_SAMPLES", _nonneg_int, 1,
-         "Autotune drops this many samples after each switch before scoring the new setting "
-         "(the old setting's backlog drains, buffers regrow).",
-         horovod="HOROVOD_AUTOTUNE_WARMUP_SAMPLES", must_agree=False),
-    Knob("autotune_samples_per_point", "MPIDP_AUTOTUNE_SAMPLES_PER_POINT", _pos_int, 3,
-         "Autotune scores a setting by the median of this many samples, which a noisy "
-         "neighbour moves less than a mean.", must_agree=False),
-    Knob("autotune_sample_s", "MPIDP_AUTOTUNE_SAMPLE_S", _nonneg_float, 0.5,
-         "Seconds of traffic in one autotune sample (bytes reduced per second over it); long "
-         "enough to hold several training steps.", must_agree=False),
-    Knob("elastic_checkpoint", "MPIDP_ELASTIC_CHECKPOINT", _path, "",
-         "mpidp.elastic states persist each commit() to this file (rank 0's path counts) and "
-         "elastic.run resumes from it when the job is restarted; empty: in-memory commits "
-         "only. A state's checkpoint_path= argument overrides it.", must_agree=False),
-)
+_T = TypeVar("_T")
+_KNOB = "mpidp.knob"  # the metadata key of a knob's variables, parser and doc
 
+
+def _knob(env: str, parse: Callable[[str], _T], default: _T, doc: str, *,
+          horovod: Optional[str] = None, must_agree: bool = True) -> _T:
+    """A Config field that is a knob: its default, and in its metadata the rest of its Knob."""
+    return dataclasses.field(default=default, metadata={_KNOB: dict(
+        env=env, parse=parse, doc=doc, horovod=horovod, must_agree=must_agree)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Values of every knob for one init(), one field per knob, and `explicit`: the fields set
+    through the environment or overrides; built by `load`, immutable."""
+
+    # Every knob is declared here, once: its field's name, type and default, and through _knob
+    # its variables, parser and doc (KNOBS below is read from these fields). Frozen: one Config
+    # is shared by every engine of an init(), so a change is a new one (dataclasses.replace).
+    fusion_threshold_bytes: int = _knob(
+        "MPIDP_FUSION_THRESHOLD_BYTES", _nonneg_int, 4 * MiB,
+        "Most bytes packed into one fusion buffer; 0 disables fusion. 4 MiB, not Horovod's "
+        "128 MiB: with 16-64 MiB buffers the ResNet-18 gradients took 1.5-1.9x the best "
+        "raw time, against 1.3x with 1-4 MiB (BENCHMARKS.md, fusion sweep).",
+        horovod="HOROVOD_FUSION_THRESHOLD")
+    fuse_below_bytes: int = _knob(
+        "MPIDP_FUSE_BELOW_BYTES", _nonneg_int, 64 * 1024,
+        "Only tensors smaller than this are fused; larger ones are reduced on their own, in "
+        "place, with no copy: per-tensor calls beat pack+unpack once a tensor is "
+        "bandwidth-bound (BENCHMARKS.md).")
+    chunk_bytes: int = _knob(
+        "MPIDP_CHUNK_BYTES", _nonneg_int, 4 * MiB,
+        "A tensor reduced on its own is cut into chunks of this many bytes, each one "
+        "collective on a slice in place; 0 means never chunk. Cache-sized chunks run at about "
+        "twice the bandwidth of one 64 MB call on one host (BENCHMARKS.md). Unset, a job "
+        "whose ranks span hosts does not chunk: there the network sets the pace, and each "
+        "chunk's start and end leave the link idle.")
+    cycle_time_ms: float = _knob(
+        "MPIDP_CYCLE_TIME_MS", _nonneg_float, 0.0,
+        "Shortest time between the starts of two engine cycles while work flows. 0 (Horovod: "
+        "1 ms) because the cycle wakes on submission: a fixed wait adds directly to the latency "
+        "of every blocking op.",
+        horovod="HOROVOD_CYCLE_TIME")
+    bucket_bytes: int = _knob(
+        "MPIDP_BUCKET_BYTES", _nonneg_int, 25 * MiB,
+        "DistributedOptimizer groups gradients, in reverse order of the parameters, into "
+        "buckets of at most this many bytes; a bucket is one op (one negotiation, one handle) "
+        "submitted when its last gradient is ready. 0: one op per parameter.")
+    overlap: str = _knob(
+        "MPIDP_OVERLAP", _choice("auto", "0", "1"), "auto",
+        "1: DistributedOptimizer starts a bucket's reduction during the backward pass, once its "
+        "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
+        "parameters are on the CPU, all ranks are on one host and a rank's share of the "
+        "host's cores is no more than torch's threads, where overlapping slowed training "
+        "steps by 5-80 % here (BENCHMARKS.md). Across hosts auto is 1: the engine waits for "
+        "the network without spinning.",
+        must_agree=False)
+    reduce_in_backward: bool = _knob(
+        "MPIDP_REDUCE_IN_BACKWARD", _parse_bool, True,
+        "1: the backward pass that ends a DistributedOptimizer step (its "
+        "backward_passes_per_step-th) returns only once every gradient is averaged, as with "
+        "DDP, so clipping, GradScaler or logging between backward() and step() see the "
+        "averaged gradients; 0: the reductions are waited for in step() or synchronize(), as "
+        "in Horovod.")
+    keep_freed_memory: bool = _knob(
+        "MPIDP_KEEP_FREED_MEMORY", _parse_bool, True,
+        "1: init() tells glibc's malloc to keep freed blocks below 256 MiB for reuse instead of "
+        "giving them back and page-faulting them in again every step (Adam training steps ran "
+        "5-20 % faster here, peak memory unchanged; BENCHMARKS.md); 0, or the environment "
+        "setting malloc's thresholds, leaves malloc alone.",
+        must_agree=False)
+    cache_capacity: int = _knob(
+        "MPIDP_CACHE_CAPACITY", _nonneg_int, 1024,
+        "Negotiated names remembered for the bit-vector fast path; 0 disables the cache.",
+        horovod="HOROVOD_CACHE_CAPACITY")
+    stall_warning_s: float = _knob(
+        "MPIDP_STALL_WARNING_S", _nonneg_float, 60.0,
+        "Seconds a tensor may wait for missing ranks before rank 0 logs which ranks and "
+        "tensors are missing, and an MPI call every rank entered may last before the "
+        "waiting ranks log it with the ranks and hosts they wait on (a slow or cut link); "
+        "0 disables the check.",
+        horovod="HOROVOD_STALL_CHECK_TIME_SECONDS")
+    stall_shutdown_s: float = _knob(
+        "MPIDP_STALL_SHUTDOWN_S", _nonneg_float, 0.0,
+        "Seconds after which a stalled tensor shuts the engine down and fails every pending "
+        "op, and after which a rank stuck in an MPI call (a host unreachable) ends the job "
+        "naming the ranks and hosts it waits on; 0 means never.",
+        horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    log_level: str = _knob(
+        "MPIDP_LOG_LEVEL", _log_level, "warning",
+        "Level of mpidp's rank-prefixed log.",
+        horovod="HOROVOD_LOG_LEVEL", must_agree=False)
+    abort_on_error: bool = _knob(
+        "MPIDP_ABORT_ON_ERROR", _parse_bool, True,
+        "An uncaught exception on any rank logs rank, host and traceback, then aborts the "
+        "whole job (MPI_Abort) so no other rank waits for it forever; 0 turns this off.",
+        must_agree=False)
+    timeline_path: str = _knob(
+        "MPIDP_TIMELINE", _path, "",
+        "Rank 0 writes a Chrome-trace JSON timeline of every op to this file; empty: none. "
+        "DYNAMIC (as in Horovod): none until start_timeline() is called.",
+        horovod="HOROVOD_TIMELINE", must_agree=False)
+    timeline_mark_cycles: bool = _knob(
+        "MPIDP_TIMELINE_MARK_CYCLES", _parse_bool, False,
+        "Also mark each engine cycle in the timeline.",
+        horovod="HOROVOD_TIMELINE_MARK_CYCLES", must_agree=False)
+    backend: str = _knob(
+        "MPIDP_BACKEND", _choice("auto", "mpi", "nccl", "gloo"), "auto",
+        "Data path: mpi (host or CUDA-aware MPI), nccl or gloo (a torch.distributed process "
+        "group bootstrapped over MPI); auto picks mpi for CPU tensors and nccl for CUDA ones "
+        "when NCCL is available. Negotiation always runs on MPI.")
+    cuda_aware_mpi: str = _knob(
+        "MPIDP_CUDA_AWARE_MPI", _choice("auto", "0", "1"), "auto",
+        "Whether MPI may be handed CUDA device buffers: auto detects it from the MPI library; "
+        "0 stages through pinned host buffers; 1 forces device buffers.")
+    hierarchical_allreduce: bool = _knob(
+        "MPIDP_HIERARCHICAL_ALLREDUCE", _parse_bool, False,
+        "Allreduce as reduce-scatter inside each node, allreduce across nodes, allgather "
+        "inside the node (on host memory too).",
+        horovod="HOROVOD_HIERARCHICAL_ALLREDUCE")
+    simulated_local_size: int = _knob(
+        "MPIDP_SIMULATED_LOCAL_SIZE", _nonneg_int, 0,
+        "Test knob: group consecutive ranks into nodes of this many ranks instead of asking "
+        "MPI which ranks share memory; 0: ask MPI.")
+    rendezvous_host: str = _knob(
+        "MPIDP_RENDEZVOUS_HOST", _path, "",
+        "Address rank 0 announces for the gloo/nccl process group's store; empty: rank 0's "
+        "host name.")
+    autotune: bool = _knob(
+        "MPIDP_AUTOTUNE", _parse_bool, False,
+        "Tune the fusion thresholds and cycle time on live traffic (knobs set explicitly are "
+        "left alone); rank 0 scores and decides, all ranks switch together.",
+        horovod="HOROVOD_AUTOTUNE")
+    autotune_log: str = _knob(
+        "MPIDP_AUTOTUNE_LOG", _path, "",
+        "Rank 0 appends one CSV line per autotune sample to this file; empty: no log.",
+        horovod="HOROVOD_AUTOTUNE_LOG", must_agree=False)
+    autotune_warmup_samples: int = _knob(
+        "MPIDP_AUTOTUNE_WARMUP_SAMPLES", _nonneg_int, 1,
+        "Autotune drops this many samples after each switch before scoring the new setting "
+        "(the old setting's backlog drains, buffers regrow).",
+        horovod="HOROVOD_AUTOTUNE_WARMUP_SAMPLES", must_agree=False)
+    autotune_samples_per_point: int = _knob(
+        "MPIDP_AUTOTUNE_SAMPLES_PER_POINT", _pos_int, 3,
+        "Autotune scores a setting by the median of this many samples, which a noisy "
+        "neighbour moves less than a mean.",
+        must_agree=False)
+    autotune_sample_s: float = _knob(
+        "MPIDP_AUTOTUNE_SAMPLE_S", _nonneg_float, 0.5,
+        "Seconds of traffic in one autotune sample (bytes reduced per second over it); long "
+        "enough to hold several training steps.",
+        must_agree=False)
+    elastic_checkpoint: str = _knob(
+        "MPIDP_ELASTIC_CHECKPOINT", _path, "",
+        "mpidp.elastic states persist each commit() to this file (rank 0's path counts) and "
+        "elastic.run resumes from it when the job is restarted; empty: in-memory commits "
+        "only. A state's checkpoint_path= argument overrides it.",
+        must_agree=False)
+    explicit: FrozenSet[str] = frozenset()
+
+    def agreed_items(self) -> Tuple[Tuple[str, object], ...]:
+        """The (field, value) pairs every rank must agree on."""
+        return tuple((k.field, getattr(self, k.field)) for k in KNOBS if k.must_agree)
+
+
+# The knobs in the order of Config's fields, each read from its field's default and metadata.
+KNOBS: Tuple[Knob, ...] = tuple(Knob(f.name, default=f.default, **f.metadata[_KNOB])
+                                for f in dataclasses.fields(Config) if _KNOB in f.metadata)
 _BY_FIELD: Dict[str, Knob] = {k.field: k for k in KNOBS}
-
-
-def _agreed_items(self) -> Tuple[Tuple[str, object], ...]:
-    """The (field, value) pairs every rank must agree on."""
-    return tuple((k.field, getattr(self, k.field)) for k in KNOBS if k.must_agree)
-
-
-# Made from KNOBS so that a knob is declared in one place. Frozen: one Config is shared by every
-# engine of an init(), so a change is a new one (dataclasses.replace), never an edit in place.
-Config = dataclasses.make_dataclass(
-    "Config",
-    [(k.field, type(k.default)) for k in KNOBS]
-    + [("explicit", frozenset, dataclasses.field(default=frozenset()))],
-    namespace={"__doc__": "Values of every knob for one init(), one field per KNOBS entry, and "
-                          "`explicit`: the fields set through the environment or overrides; "
-                          "built by `load`, immutable.",
-               "__module__": __name__, "agreed_items": _agreed_items},
-    frozen=True)
 
 
 def read_env(knob: Knob, env: Mapping[str, str]):
@@ -223,7 +266,7 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
     A malformed value raises ConfigError naming the variable, the value and what is accepted.
     """
     env = os.environ if env is None else env
-    values = {}
+    values: Dict[str, Any] = {}
     explicit = set()
     for knob in KNOBS:
         var, raw = read_env(knob, env)
@@ -236,9 +279,9 @@ def load(env: Optional[Mapping[str, str]] = None, **overrides) -> Config:
             raise ConfigError(f"{var}={raw!r} is not valid: {exc}. {knob.doc}") from None
         explicit.add(knob.field)
     for field, value in overrides.items():
-        knob = _BY_FIELD.get(field)
-        if knob is None:
+        if field not in _BY_FIELD:
             raise ConfigError(f"unknown mpidp knob {field!r}; known: {sorted(_BY_FIELD)}")
+        knob = _BY_FIELD[field]
         try:
             values[field] = knob.parse(str(value))
         except ValueError as exc:

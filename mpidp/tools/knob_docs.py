@@ -33,7 +33,8 @@ def _cell(text: str) -> str:
 def render(knobs: Iterable[Knob] = KNOBS) -> str:
     """The markdown that goes between BEGIN and END: one table row per knob (variable, Horovod
     alias, init() keyword, default, what it does), ending in a blank line."""
-    lines = [f"<!-- generated from KNOBS in mpidp/config.py by `{COMMAND}`; edit KNOBS -->",
+    lines = [f"<!-- generated from KNOBS in mpidp/config.py by `{COMMAND}`; "
+             "edit Config's fields -->",
              "",
              "| Variable | Horovod alias | `init()` keyword | Default | What it does |",
              "|---|---|---|---|---|"]

@@ -1,7 +1,7 @@
 """horovodrun's flags as mpidprun knows them: kinds, knobs they set, replacements; host lists."""
 
 import re
-from typing import List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from .. import config as _config
 
@@ -41,7 +41,7 @@ BY_NAME = {name: flag for flag in FLAGS for name in flag[0]}
 NAME_OF = {flag[1]: flag[0][-1] for flag in FLAGS}
 
 # Flag dest -> (mpidp knob field, value as the knob's variable holds it).
-KNOB_FLAGS = {
+KNOB_FLAGS: Dict[str, Tuple[str, Callable[[Any], object]]] = {
     "fusion_threshold_mb": ("fusion_threshold_bytes", lambda mb: mb * _config.MiB),
     "cycle_time_ms": ("cycle_time_ms", repr),
     "cache_capacity": ("cache_capacity", str),

@@ -1,5 +1,5 @@
 """mpidp.config: defaults, MPIDP_*/HOROVOD_* parsing, strict errors, overrides, describe(), the
-frozen Config made from KNOBS, and the launcher variables."""
+declared frozen Config that KNOBS is read from, and the launcher variables."""
 
 import dataclasses
 import math
@@ -287,6 +287,15 @@ def test_config_fields_are_the_knobs_in_order_then_explicit():
     fields = [f.name for f in dataclasses.fields(config.Config)]
     assert fields == [k.field for k in config.KNOBS] + ["explicit"]
     assert config.Config.__module__ == "mpidp.config" and config.Config.__doc__
+
+
+def test_each_knob_field_is_declared_with_the_type_of_its_default():
+    """Config's fields are declared, typed, once: KNOBS is read from them, not written again."""
+    knobs = {k.field: k for k in config.KNOBS}
+    for f in dataclasses.fields(config.Config):
+        if f.name in knobs:
+            assert type(f.default) is f.type and knobs[f.name].default == f.default, f.name
+            assert knobs[f.name].env == f.metadata[config._KNOB]["env"]
 
 
 def test_config_is_immutable_and_changed_by_replace():
