@@ -52,7 +52,8 @@ def reduce_parts(backend, srcs: List[torch.Tensor], outs: List[torch.Tensor], re
     most `threshold` bytes (a larger part alone), each buffer one Adasum with per-tensor dot
     products. Synchronization: point to point with every rank of backend.comm, through
     reduce()."""
-    group, nbytes = [], 0
+    group: List[int] = []
+    nbytes = 0
     for i, t in enumerate(srcs):
         size = t.numel() * t.element_size()
         if group and nbytes + size > threshold:

@@ -22,7 +22,7 @@ before executing the same batch.
 import csv
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..log import logger
 
@@ -54,7 +54,7 @@ def search_space(config, space: Dict[str, Tuple] = SPACE) -> Dict[str, List]:
 class Tuner:
     """Coordinate search over `space` from `start`; call `record(score)` once per sample."""
 
-    def __init__(self, start: Dict[str, object], space: Dict[str, Sequence],
+    def __init__(self, start: Dict[str, object], space: Mapping[str, Sequence],
                  warmup: int, samples: int, confirm: int = CONFIRM_ROUNDS):
         if samples < 1 or warmup < 0 or confirm < 0:
             raise ValueError("need samples >= 1, warmup >= 0 and confirm >= 0")
@@ -103,6 +103,7 @@ class Tuner:
             return None
         median = statistics.median(self._pending)
         self._pending = []
+        nxt: Optional[Dict[str, object]]
         if self.confirming:
             nxt = self._rematch_step(median)
         else:
@@ -146,6 +147,9 @@ class Tuned:
     Every rank runs the same cycles, so a cycle count names the same cycle on every rank."""
 
     FIELDS = ("fusion_threshold_bytes", "fuse_below_bytes", "cycle_time_ms")
+    fusion_threshold_bytes: int
+    fuse_below_bytes: int
+    cycle_time_ms: float
 
     def __init__(self, config):
         for field in self.FIELDS:

@@ -20,7 +20,7 @@ Both limits are the stall knobs (MPIDP_STALL_WARNING_S, MPIDP_STALL_SHUTDOWN_S);
 
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from ..log import logger
 from . import mpi
@@ -65,7 +65,7 @@ class CallWatch:
         self.warning_s = warning_s
         self.shutdown_s = shutdown_s
         self.abort = abort
-        self._warned = {}              # kind -> (start of the call warned about, warned at)
+        self._warned: Dict[str, Tuple[float, float]] = {}  # kind -> (call's start, warned at)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 

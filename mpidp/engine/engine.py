@@ -4,7 +4,7 @@ import contextlib
 import threading
 import time
 import traceback
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from ..errors import EngineShutdownError
 from ..log import logger
@@ -36,10 +36,9 @@ class Engine:
         self.queue = TensorQueue()
         self.stats = EngineStats()
         self.neg = Negotiator(comms, config, self.stats)  # posts the wake-up receive
-        self.backend = None
-        self.sampler = None
+        backend = self.sampler = None
         try:
-            self.backend = make_backend(comms, config)
+            self.backend = backend = make_backend(comms, config)
             self.backend.busy = self._user_waits
             self.backend.stats = self.stats
             self.tuned = autotune.Tuned(config)
@@ -54,11 +53,11 @@ class Engine:
             # Cancel the posted receive (MPI warns at exit of one never completed) and close
             # what was opened; the communicators are init()'s to free.
             self.neg.close()
-            for part in (self.sampler, self.backend):
+            for part in (self.sampler, backend):
                 if part is not None:
                     part.close()
             raise
-        self._tune = None  # parameters rank 0 sends at the next coordinator cycle
+        self._tune: Optional[Dict[str, object]] = None  # what rank 0 sends at the next cycle
         self._waiters_lock = threading.Lock()
         self.waiters = 0  # user threads blocked on a result: the band may then spin for peers
         self.cycle_lock = threading.Lock()  # the cycle lock: whoever holds it may call MPI
@@ -284,6 +283,7 @@ class Engine:
         began = time.monotonic()
         self.stats.cycles += 1
         if first is not None:
+            assert plan is not None  # express() hands its op with the op's plan
             drained = [first]
             sent = plan.band(first.bit, self.neg.cache.num_bits)
             responses, stopped, params = self.neg.negotiate_one(first, self.queue.ops,

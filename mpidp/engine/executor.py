@@ -2,7 +2,7 @@
 
 import time
 import traceback
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..errors import EngineShutdownError, MismatchError
 from ..log import logger
@@ -23,7 +23,8 @@ class Executor:
         self.tuned = tuned
         self.rank, self.size = rank, size
         self._batch_bytes = BatchBytes(fusion.nbytes)
-        self._mark = None  # the timeline's phase recorder last handed to the data path
+        # The timeline's phase recorder last handed to the data path.
+        self._mark: Optional[Callable[[str], None]] = None
         self._finished: list = []  # (entry, result, error) completed in this cycle
 
     def complete(self, entry: Optional[Entry], result=None, error=None) -> None:

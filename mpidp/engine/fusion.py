@@ -2,7 +2,7 @@
 
 import math
 import operator
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .dtypes import ITEMSIZE as _ITEMSIZE
 from .messages import OpType, Response, part_shapes
@@ -13,7 +13,7 @@ def nbytes(response: Response) -> int:
     return math.prod(req.shape) * _ITEMSIZE[req.dtype]
 
 
-def tensor_count(batch: List[Response]) -> int:
+def tensor_count(batch: Sequence[Response]) -> int:
     """Tensors a batch carries: every part of a multi-tensor op counts."""
     return sum(len(r.request.parts) or 1 if r.request is not None else 1 for r in batch)
 
@@ -70,7 +70,7 @@ class PartGroup:
         self.total = sum(self.numels)
         # The data path's views of its fusion buffer for this group (the same every step of a
         # cached bucket): (buffer, flat, views), rebuilt when the buffer is replaced.
-        self.bound = None
+        self.bound: Optional[tuple] = None
 
 
 class PartPlanner:

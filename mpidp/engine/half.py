@@ -9,7 +9,7 @@ bits, as Horovod's own float16 MPI reduction does. Measured (BENCHMARKS.md, "16-
 the wire"): faster than the float32 allreduce of the same elements on shared memory and on TCP.
 """
 
-from typing import Callable
+from typing import Any, Callable, Dict
 
 import torch
 
@@ -17,7 +17,7 @@ from . import mpi
 from .dtypes import HALF
 from .messages import ReduceOp
 
-_OPS = {}  # (dtype, ReduceOp) -> MPI user op, created on first use (after MPI_Init)
+_OPS: Dict[tuple, Any] = {}  # (dtype, ReduceOp) -> MPI user op, made on first use (after MPI_Init)
 
 
 def _combine(fn: Callable, dtype: torch.dtype) -> Callable:

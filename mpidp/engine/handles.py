@@ -60,7 +60,9 @@ class Handle:
     def wait(self, timeout: Optional[float] = None):
         """Block until completed; raise its error (a fresh copy per waiter) or OpTimeoutError."""
         if not self._done:
-            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            if timeout is None:
+                self._lock.acquire()
+            elif not self._lock.acquire(timeout=timeout):
                 raise _timed_out(self.name, timeout)
             self._lock.release()  # let any other waiter through too
         if self._error is not None:
@@ -89,7 +91,8 @@ class HandleTable:
     def owner(self, hid: int):
         return self._get(hid)[2]
 
-    def members(self, hid: int) -> List[Handle]:
+    def members(self, hid: int) -> List[Any]:
+        """The op's tensor_queue.Entry objects (Handles that carry the request too)."""
         return self._get(hid)[0]
 
     def _get(self, hid: int):
@@ -139,6 +142,7 @@ class HandleTable:
                     # The engine may complete the member between the timed-out wait and this
                     # check; then the op is done and the handle is spent as usual.
                     if not h.done():
+                        assert timeout is not None  # only a wait with a timeout times out
                         raise _timed_out(h.name, timeout) from None
                     results.append(h.wait(0))
         except OpTimeoutError:

@@ -48,6 +48,7 @@ class Lane:
         began = time.monotonic()
         stats.begin_batch(began)
         recv = out.numpy()
+        assert self.backend is not None  # run only where plan() found the host path (op set)
         # The caller waits for this result: MPI's blocking wait (a spin) is what busy() picks.
         mpi.allreduce(self.backend.comm, None if out is src else src.numpy(), recv, self.op)
         if self.factor != 1.0:

@@ -1,7 +1,7 @@
 """Requests a rank submits and the responses the coordinator orders, identical on every rank."""
 
 import enum
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 
 class OpType(enum.IntEnum):
@@ -92,7 +92,7 @@ class Response(NamedTuple):
 
     name: str
     op: int
-    request: Optional[Request] = None          # canonical metadata (used by joined ranks too)
+    request: Request                           # canonical metadata (used by joined ranks too)
     first_dims: Tuple[int, ...] = ()           # allgather: each rank's dim 0
     error: str = ""                             # ERROR/SHUTDOWN: the message for every rank
     last_joined: int = -1                       # JOIN: the rank that joined last

@@ -4,22 +4,25 @@ import os
 import pickle
 import sys
 import time
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.typing import Buffer  # numpy arrays, and torch tensors through DLPack
 
 from ..errors import ConfigError
 from ..log import logger
 from .messages import ReduceOp
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND,
-            ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+_MPI_OPS: Dict[int, MPI.Op] = {  # ReduceOp keys: an IntEnum hashes as its int
+    ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
 # MPI's arithmetic ops are not defined on C_BOOL; the logical ones are what Sum/Min/... mean there.
-_BOOL_OPS = {ReduceOp.SUM: MPI.LOR, ReduceOp.AVERAGE: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-             ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND, ReduceOp.BAND: MPI.LAND,
-             ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR}
+_BOOL_OPS: Dict[int, MPI.Op] = {
+    ReduceOp.SUM: MPI.LOR, ReduceOp.AVERAGE: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+    ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND, ReduceOp.BAND: MPI.LAND,
+    ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR}
 
 # How a thread that waits for a result waits (wait() with `spin`): it tests the request and
 # yields the core between tests, as MPICH's own blocking wait does. MPICH advances a non-blocking
@@ -175,7 +178,7 @@ class WakeBox:
         self.epoch = epoch
         self._buf = np.zeros(3, dtype=np.int64)
         self._recv = self._post()
-        self._sends = []
+        self._sends: List[MPI.Request] = []
         self.sent = [0] * comm.Get_size()  # wake-ups of this epoch sent to each rank
         self._got = 0                       # wake-ups of this epoch received
 
@@ -254,17 +257,17 @@ def gather_objects(comm, obj, root: int) -> Optional[list]:
     """Gather one picklable object per rank at `root` (lengths, then bytes)."""
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     size = comm.Get_size()
-    is_root = comm.Get_rank() == root
-    lengths = np.zeros(size, dtype=np.int64) if is_root else None
-    wait(comm.Igather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
-                      [lengths, MPI.INT64_T] if is_root else None, root=root))
-    if is_root:
-        buf = np.empty(int(lengths.sum()), dtype=np.uint8)
-        wait(comm.Igatherv([data, MPI.BYTE], [buf, (lengths, None), MPI.BYTE], root=root))
-        offsets = np.concatenate(([0], np.cumsum(lengths)))
-        return [pickle.loads(buf[offsets[i]:offsets[i + 1]].tobytes()) for i in range(size)]
-    wait(comm.Igatherv([data, MPI.BYTE], None, root=root))
-    return None
+    length = [np.array([data.size], dtype=np.int64), MPI.INT64_T]
+    if comm.Get_rank() != root:
+        wait(comm.Igather(length, None, root=root))
+        wait(comm.Igatherv([data, MPI.BYTE], None, root=root))
+        return None
+    lengths = np.zeros(size, dtype=np.int64)
+    wait(comm.Igather(length, [lengths, MPI.INT64_T], root=root))
+    buf = np.empty(int(lengths.sum()), dtype=np.uint8)
+    wait(comm.Igatherv([data, MPI.BYTE], [buf, (lengths, None), MPI.BYTE], root=root))
+    offsets = [0, *np.cumsum(lengths).tolist()]
+    return [pickle.loads(buf[offsets[i]:offsets[i + 1]].tobytes()) for i in range(size)]
 
 
 def allgather_object(comm, obj) -> list:
@@ -276,8 +279,8 @@ def bcast_object(comm, obj, root: int):
     """Broadcast a picklable object from `root` (length, then bytes)."""
     is_root = comm.Get_rank() == root
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
-                         dtype=np.uint8) if is_root else None
-    length = np.array([data.size if is_root else 0], dtype=np.int64)
+                         dtype=np.uint8) if is_root else np.empty(0, dtype=np.uint8)
+    length = np.array([data.size], dtype=np.int64)
     wait(comm.Ibcast([length, MPI.INT64_T], root=root))
     if not is_root:
         data = np.empty(int(length[0]), dtype=np.uint8)
@@ -287,7 +290,7 @@ def bcast_object(comm, obj, root: int):
 
 # ---- data path on host memory (blocking: after negotiation every rank is in step) ----
 
-def allreduce(comm, send: Optional[np.ndarray], recv: np.ndarray, op, busy=None,
+def allreduce(comm, send: Optional[Buffer], recv: Buffer, op, busy=None,
               network: bool = False) -> None:
     """Allreduce into `recv`; `send=None` means in place.
 

@@ -129,7 +129,7 @@ class MessageTable:
             if error:
                 out.append(Response(name, OpType.ERROR, first, error=error))
                 continue
-            dims = ()
+            dims: Tuple[int, ...] = ()
             if first.op == OpType.ALLGATHER:
                 dims = tuple(slot[r].shape[0] if slot[r].shape else 1 for r in range(self.size))
             out.append(Response(name, first.op, first, first_dims=dims,

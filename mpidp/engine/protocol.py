@@ -52,7 +52,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import mpi
-from .messages import OpType, Response
+from .messages import OpType, Request, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
@@ -280,6 +280,7 @@ class Negotiator:
         gathered = mpi.gather_objects(self.control, (requests, snapshot, ages), 0)
         responses = None
         if self.rank == 0:
+            assert gathered is not None  # rank 0 is the root: it gathered every rank's
             now = time.monotonic()
             for rank, (reqs, _, waited) in enumerate(gathered):
                 self.table.add(rank, reqs)
@@ -290,7 +291,8 @@ class Negotiator:
                 reason = self.stall.inspect({r: snap for r, (_, snap, _) in enumerate(gathered)},
                                             self.table.joined)
                 if reason:
-                    responses.append(Response("", OpType.SHUTDOWN, error=reason))
+                    responses.append(Response("", OpType.SHUTDOWN, Request("", OpType.SHUTDOWN),
+                                               error=reason))
         params = None
         if flags & F_TUNE:
             # Every rank takes rank 0's new parameters before executing this cycle's batches.

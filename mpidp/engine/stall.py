@@ -74,10 +74,12 @@ class StallInspector:
                     continue
                 start = now - a
                 prev = self._warned.get(name)
-                new = prev is None or start - prev[0] >= self.warning_s / 2
-                if new or now - prev[1] >= self.warning_s:
-                    self._warned[name] = (start if new else prev[0], now)
-                    fresh.append(line)
+                if prev is not None and start - prev[0] < self.warning_s / 2:  # warned of before
+                    if now - prev[1] < self.warning_s:
+                        continue
+                    start = prev[0]
+                self._warned[name] = (start, now)
+                fresh.append(line)
             if fresh:
                 logger.warning(
                     "stall: %d op(s) submitted by some ranks but not others for more than "

@@ -1,7 +1,7 @@
 """Engine counters: cheap per-cycle and per-batch tallies that mpidp.stats() reads as a snapshot."""
 
 import time
-from typing import Dict
+from typing import Any, Dict
 
 from .messages import OP_NAMES, OpType
 
@@ -138,9 +138,9 @@ class BatchBytes:
         return total
 
 
-def difference(now: Dict[str, object], base: Dict[str, object]) -> Dict[str, object]:
+def difference(now: Dict[str, Any], base: Dict[str, Any]) -> Dict[str, Any]:
     """Counters accumulated between two snapshots (`base` taken first), in snapshot form."""
-    out = {}
+    out: Dict[str, Any] = {}
     for key, value in now.items():
         if key == "by_op":
             ops = {}

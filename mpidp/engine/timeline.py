@@ -98,7 +98,7 @@ class Timeline:
                 continue  # submitted before the timeline started, or rank 0 had joined
             submitted, drained = since
             self._emit(("X", "queue", name, submitted, drained - submitted, None))
-            args = {"path": path, "op": OP_NAMES.get(resp.op, "error")}
+            args: Dict[str, object] = {"path": path, "op": OP_NAMES.get(resp.op, "error")}
             if resp.error:
                 args["error"] = resp.error
             if arrivals:

@@ -37,7 +37,7 @@ def join(device: int = -1) -> int:
         for member in members:
             req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False,
                           serial=member.unnamed_count(),
-                          serves=server.prefixes if member is served else ())
+                          serves=server.prefixes if server and member is served else ())
             handles.append(submit((state, member), [new_entry(req, None, None)], first_result))
         if server is not None:
             server.serve()

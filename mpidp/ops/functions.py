@@ -2,7 +2,7 @@
 
 import pickle
 import zlib
-from typing import Any, List
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
@@ -69,7 +69,8 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 
 @eager
-def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set=None) -> Any:
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=None) -> Any:
     """Return global rank `root_rank`'s `obj` (pickled) on every rank (of the set); if the root
     cannot pickle it, every rank raises MpidpError with the reason. Synchronization: blocks
     until every rank of the set has called it."""
@@ -91,7 +92,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str = None, process_set
 
 
 @eager
-def allgather_object(obj: Any, name: str = None, process_set=None) -> List[Any]:
+def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
     """Every rank's `obj` (of the set), in rank order, on every rank of the set; if a rank
     cannot pickle its object, every rank raises MpidpError naming it and the reason.
     Synchronization: blocks until every rank of the set has called it."""
@@ -200,7 +201,7 @@ def _zero_missing_grads(opt) -> None:
 
 
 @eager
-def check_replicas(model, name: str = None) -> None:
+def check_replicas(model, name: Optional[str] = None) -> None:
     """Raise MpidpError naming the ranks and parameters that differ from rank 0's, bitwise.
 
     Cheap: one CRC32 per parameter, one allgather. Synchronization: blocks on every rank.

@@ -2,7 +2,7 @@
 
 import math
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -113,7 +113,7 @@ def check_reduction(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float,
 def check_reductions(tensors, op: ReduceOp, pre: float, post: float, what: str, label) -> int:
     """check_reduction() for each dtype among `tensors` (the checks depend on nothing else),
     `label(i)` naming the first tensor of the dtype; returns the number of dtypes."""
-    first = {}
+    first: Dict[torch.dtype, int] = {}
     for i, t in enumerate(tensors):
         first.setdefault(t.dtype, i)
     for i in first.values():

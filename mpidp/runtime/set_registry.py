@@ -4,12 +4,13 @@ The caller (runtime) passes mpi4py's MPI module in: only the runtime and engine/
 """
 
 import zlib
+from typing import Optional
 
 from ..log import logger
 from .member import Member
 
 
-def ranks_of(MPI, obj, world) -> tuple:
+def ranks_of(MPI, obj, world) -> Optional[tuple]:
     """World ranks of a process set given as a list of ranks or (an object with) ranks/mpi_comm."""
     comm = getattr(obj, "mpi_comm", None)
     if comm is None and isinstance(obj, MPI.Comm):

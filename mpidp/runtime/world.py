@@ -3,7 +3,7 @@
 import atexit
 import os
 import threading
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from .. import config as _config
 from . import malloc_reuse, set_registry, uncaught, unknown_vars
@@ -26,7 +26,7 @@ class _State:
         self.admin = admin  # user-thread collectives (process-set registration), apart from engines
         self.sets = {0: tuple(range(comms.size))}  # every registered set: id -> world ranks
         self.members = {0: Member(0, self.sets[0], engine, comms.rank)}  # sets this rank is in
-        self.parts = {}  # set id -> ids of every part of a communicator split several ways
+        self.parts: Dict[int, list] = {}  # set id -> ids of every part of a split communicator
         self.pid = os.getpid()  # a forked child (a DataLoader worker) has its parent's state
         self.forked = False  # set in such a child: its collectives would use the parent's MPI
         self.next_set_id = 1
@@ -34,7 +34,7 @@ class _State:
         self.thread_multiple = False  # MPI runs at MPI_THREAD_MULTIPLE (set by init())
         # Set by the training layer (sharded/join.py): join() calls it for what this rank must
         # keep doing while joined (None, or an object with `prefixes` and `serve()`).
-        self.join_hook = None
+        self.join_hook: Any = None
         # Read once: a peer's shutdown() frees the communicators while this rank may still ask.
         self.local_rank, self.local_size = comms.local.Get_rank(), comms.local.Get_size()
         self.cross_rank, self.cross_size = comms.cross.Get_rank(), comms.cross.Get_size()
@@ -165,6 +165,7 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         if errors:
             raise uncaught.said_once(ConfigError("; ".join(f"rank {r}: {e}" for r, e in errors)),
                              base.Get_rank())
+        assert cfg is not None  # no rank failed to load its Config, this one included
         for field, value in views[0][1]:
             differ = [r for r, (_, items) in enumerate(views) if dict(items)[field] != value]
             if differ:

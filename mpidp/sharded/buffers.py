@@ -1,6 +1,6 @@
 """One bucket's memory on a ShardedOptimizer rank: its parameters, shard and gradient buffers."""
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ class ShardBuffers:
     def set_grad(self, grad: Optional[torch.Tensor]) -> None:
         """Give the shard and its pieces their gradient (views of `grad`), or none."""
         self.shard.grad = grad
+        parts: Sequence[Optional[torch.Tensor]]
         if grad is None:
             parts = [None] * len(self.pieces)
         elif grad is self.reduced:
@@ -78,6 +79,7 @@ class ShardBuffers:
             else:
                 view.copy_(g)
             p.grad = view
+        assert self.flat is not None  # grad_views() made it
         return self.flat
 
     def rehome(self) -> None:

@@ -18,6 +18,7 @@ turn (a GAN's), the others' steps fail on the training ranks with the engine's j
 """
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -40,8 +41,9 @@ class Rounds:
         self.ranks, self.me, self.tag, self.name = tuple(ranks), me, tag, tag + "joined"
         self.process_set = opt.process_set
         self.flags = torch.zeros(len(self.ranks), dtype=torch.int32)
-        self.handle = self.request = self.cache_key = None
-        self.current = None      # this round's flags once collected (a list, set order)
+        self.handle: Optional[int] = None
+        self.request = self.cache_key = None
+        self.current: Optional[list] = None  # this round's flags once collected (set order)
         self.joined = ()         # global ranks joined in the last round collected
         self.serving = False     # this rank is joined and runs rounds inside join()
         self.ref, self.registry = weakref.ref(opt), _registry()

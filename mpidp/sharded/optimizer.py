@@ -14,6 +14,8 @@ soon as backward makes it, into a persistent buffer per bucket (its .grad become
 stage=2 frees the parameters' gradients once they are packed and keeps only the reduced chunk.
 """
 
+from typing import Optional
+
 import torch
 
 from ..ops import functions
@@ -56,7 +58,7 @@ class ShardedOptimizer(DistributedOptimizer):
                          backward_passes_per_step=backward_passes_per_step,
                          process_set=process_set)
         self._stage = stage
-        self._consolidated = None
+        self._consolidated: Optional[dict] = None
         self._reduced = False
         if self._outside:
             return
@@ -65,7 +67,8 @@ class ShardedOptimizer(DistributedOptimizer):
         self._ranks = member.ranks
         full = self._opt.state_dict() if self._opt.state else None
         groups = self._opt.param_groups
-        position, group_of = {}, {}
+        position: dict = {}
+        group_of: dict = {}
         for gi, group in enumerate(groups):
             for p in group["params"]:
                 position[p] = len(position)
@@ -236,6 +239,7 @@ class ShardedOptimizer(DistributedOptimizer):
             buf.set_grad(None)
             views = buf.views
             if views is not None and not set_to_none:
+                assert buf.flat is not None  # made with the views
                 buf.flat.zero_()
             for j, p in enumerate(bucket.params):
                 if set_to_none or p.grad is None:

@@ -35,6 +35,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         local = sum((v.double().sum() for v in found.values()),
                     torch.zeros((), dtype=torch.float64))
         rounds = getattr(optimizer, "join_rounds", None)  # a ShardedOptimizer's (join.py)
+        assert self._scale is not None  # unscale_ follows scale(), which made it
         if rounds is not None:
             rounds.announce("unscale", self._scale.double().reciprocal().float().item())
         flag = (_agree(local, getattr(optimizer, "process_set", None)) > 0).float()

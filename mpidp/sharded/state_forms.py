@@ -126,7 +126,8 @@ def load_full(opt, layouts, pieces_of, full: Dict) -> None:
                          f"the optimizer {len(groups)}")
     states = {int(k): v for k, v in full.get("state", {}).items()}
     for layout, parts in zip(layouts, pieces_of):
-        keys, scalars = {}, {}
+        keys: Dict[str, bool] = {}
+        scalars: Dict[str, set] = {}
         own = layout.own_pieces()
         for i, _, _, _ in own:
             for key, value in states.get(layout.indices[i], {}).items():
@@ -139,7 +140,7 @@ def load_full(opt, layouts, pieces_of, full: Dict) -> None:
         if mixed:
             raise ValueError(f"ShardedOptimizer.load_state_dict: parameters that share a shard "
                              f"have different {mixed}; they cannot be stepped as one")
-        new = [{} for _ in parts]
+        new: List[Dict[str, object]] = [{} for _ in parts]
         sizes = [part.numel() for part in parts]
         for key, flat in keys.items():
             if not flat:

@@ -28,7 +28,7 @@ import errno
 import io
 import os
 import zipfile
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -149,7 +149,7 @@ def _describe(exc: BaseException) -> str:
     """The failure in words; torch.save reports a failed write as an opaque RuntimeError, with
     the OSError (ENOSPC, EFBIG, EIO...) that caused it only in the exception's context."""
     text = f"{type(exc).__name__}: {exc}"
-    cause = exc
+    cause: Optional[BaseException] = exc
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if cause is not None and cause is not exc:
@@ -246,7 +246,8 @@ def _broadcast_file(path: str):
 
 
 def _parse(path: str, data: torch.Tensor) -> Dict[str, Any]:
-    payload = torch.load(io.BytesIO(data.numpy()), map_location="cpu", weights_only=True)
+    buffer = io.BytesIO(data.numpy())  # type: ignore[arg-type]  # numpy's stubs omit __buffer__
+    payload = torch.load(buffer, map_location="cpu", weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not an mpidp checkpoint (format {FORMAT})")
     return payload
@@ -310,4 +311,5 @@ def load(path, /, *, restore_rng: bool = True, **targets) -> Dict[str, Any]:
     if bad:
         raise CheckpointError(f"checkpoint.load({path!r}) failed: " +
                               "; ".join(f"rank {r}: {f}" for r, f in bad))
+    assert rest is not None  # no rank failed, this one included
     return rest

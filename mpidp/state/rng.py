@@ -4,7 +4,7 @@ The states are built from types `torch.load(weights_only=True)` accepts.
 """
 
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Tuple, cast
 
 import numpy as np
 import torch
@@ -14,7 +14,9 @@ from ..log import logger
 
 def rng_state() -> Dict[str, Any]:
     """This rank's RNG states: torch CPU, numpy global, Python `random`, CUDA if available."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # The global generator is the legacy MT19937 one: its state is the legacy tuple.
+    name, keys, pos, has_gauss, cached = cast(Tuple[str, np.ndarray, int, int, float],
+                                              np.random.get_state())
     version, internal, gauss_next = random.getstate()
     state = {"torch": torch.get_rng_state(),
              "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),

@@ -2,7 +2,7 @@
 
 import gc
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -80,13 +80,15 @@ class Bucket:
         self.name = name
         self.params = params
         self.ready = 0          # parameters whose gradient is ready this step
-        self.handle = None      # the dense op while in flight
+        self.handle: Optional[int] = None  # the dense op while in flight
         self.submitted = False  # this step's gradients were handed to the engine
         self.dense: List[torch.nn.Parameter] = []  # submitted as the bucket op (wires, ctxs)
         self.sparse: List[tuple] = []  # (parameter, handle): sparse gradients, one op each
-        self.wires, self.ctxs = (), ()
+        self.wires: Sequence = ()  # the dense gradients as submitted, and their contexts
+        self.ctxs: Sequence = ()
         # Kept from the first submission, reused while the gradients still fit them.
-        self.request = self.cache_key = self.dtype = self.shapes = None
+        self.request = self.cache_key = self.dtype = None
+        self.shapes: Optional[list] = None
 
     def clear(self) -> None:
         """Nothing of this step left: no gradient ready, none submitted (the kept request
@@ -126,8 +128,8 @@ def make_buckets(trained, names, groups, cap: int, apart=None) -> List["Bucket"]
             loose.append(p)
         else:
             by_group.setdefault(gid, []).append(p)
-    for members in by_group.values():
-        out.append(members)
+    for grouped in by_group.values():
+        out.append(grouped)
     open_: Dict[tuple, List] = {}
     size: Dict[tuple, int] = {}
     for p in reversed(loose):

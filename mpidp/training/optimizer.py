@@ -244,6 +244,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
                 for p, wire, ctx in zip(bucket.dense, bucket.wires, bucket.ctxs):
                     if ctx is not None or wire is not p.grad:
                         out = self._compression.decompress(wire, ctx)
+                        assert p.grad is not None  # submitted: it has a gradient
                         p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
                     kinds.restore(p)  # the layout the wrapped optimizer takes
                 for p, sparse_handle in bucket.sparse:

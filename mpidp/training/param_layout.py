@@ -17,6 +17,8 @@ class ParamLayout(wrapped.OptimizerWrapper):
     The subclass sets what `_layout` reads (`_named_list`, `_grouping`, `_set_id`, `_outside`,
     `_sparse_ops`, `_hooks`, `_guards`, `_step`) and defines `_hook`, `in_flight`."""
 
+    _hooks: list
+
     def _layout(self) -> None:
         """Names, buckets and hooks for the optimizer's parameters that require a gradient now
         (frozen ones get no hook and no bucket, as in Horovod). Run at wrapping, and again

@@ -210,7 +210,7 @@ class SyncBatchNorm(_BatchNorm):
 
         Synchronization: none, but the new layers are numbered in traversal order, so every rank
         must convert the same model (see SyncBatchNorm's collective names)."""
-        converted = []
+        converted: list = []
         result = cls._convert(module, converted)
         logger.debug("convert_sync_batchnorm: replaced %d batch norm layer(s)%s", len(converted),
                      f" ({', '.join(converted)})" if converted else "")

@@ -274,7 +274,10 @@ class HostBackend:
                 batch, entries,
                 self.config.fuse_below_bytes if fuse_below is None else fuse_below,
                 self.config.fusion_threshold_bytes if threshold is None else threshold)
+        if resp.op == OpType.BARRIER:
+            return [None]
         entry = entries[0]
+        assert entry is not None  # the executor runs only an allreduce with no local entry
         if resp.op == OpType.ALLGATHER:
             return [self.allgather(resp, entry)]
         if resp.op == OpType.BROADCAST:
@@ -283,6 +286,4 @@ class HostBackend:
             return [self.alltoall(resp, entry)]
         if resp.op == OpType.REDUCESCATTER:
             return [self.reducescatter(resp, entry)]
-        if resp.op == OpType.BARRIER:
-            return [None]
         raise AssertionError(f"host backend cannot execute op {resp.op}")

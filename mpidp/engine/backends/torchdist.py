@@ -93,11 +93,11 @@ def open_group(comms, config, kind: str):
                          f"address of rank 0 that every rank can reach")
     if comms.rank != 0:
         store = dist.TCPStore(host, port, comms.size, False, _STORE_TIMEOUT)
+    assert store is not None  # rank 0 made it, or said why not above
     prefixed = dist.PrefixStore(f"mpidp/{kind}", store)
-    if kind == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, comms.rank, comms.size)
-    else:
-        group = dist.ProcessGroupNCCL(prefixed, comms.rank, comms.size)
+    make = dist.ProcessGroupGloo if kind == "gloo" else dist.ProcessGroupNCCL
+    # torch's stubs omit the defaults of the last argument (gloo's timeout, NCCL's options).
+    group = make(prefixed, comms.rank, comms.size)  # type: ignore[call-arg]
     logger.debug("%s process group of %d ranks up (store %s:%d)", kind, comms.size, host, port)
     return group, store
 
