@@ -16,7 +16,7 @@ from . import p2p
 from .naming import CallNames
 from .work import Work
 
-_RedOp = dist.ReduceOp.RedOpType
+_RedOp = dist.ReduceOp  # its RedOpType members, where torch's stubs declare them
 _OPS = {_RedOp.SUM: ReduceOp.SUM, _RedOp.AVG: ReduceOp.AVERAGE, _RedOp.PRODUCT: ReduceOp.PRODUCT,
         _RedOp.MIN: ReduceOp.MIN, _RedOp.MAX: ReduceOp.MAX, _RedOp.BAND: ReduceOp.BAND,
         _RedOp.BOR: ReduceOp.BOR, _RedOp.BXOR: ReduceOp.BXOR}
@@ -72,6 +72,12 @@ def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
                   else src.reshape(dst.shape))
 
 
+def _filled(dst: torch.Tensor, src: torch.Tensor, result):
+    """`result`, once `src` is in `dst` (_into): a Work's finish."""
+    _into(dst, src)
+    return result
+
+
 class ProcessGroupMpidp(dist.ProcessGroup):
     """A torch.distributed process group on an mpidp process set: the world's global set, or a
     set created by the group's members alone (torch creates a subgroup on its members only).
@@ -83,7 +89,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
     """
 
     def __init__(self, rank: int, size: int, process_set=None, ranks: Optional[List[int]] = None):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs omit this form
         self._ps = process_set
         self._ranks = list(ranks) if ranks is not None else list(range(size))
         self._name = ""
@@ -229,7 +235,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         wire = _flat(t)
         name = self._names.next("broadcast", [wire])
         hid = gather_ops.broadcast_async_(wire, opts.rootRank, name=name, process_set=self._ps)
-        return Work([self._names.submitted(name, hid)], lambda _: (_into(t, wire), tensors)[1])
+        return Work([self._names.submitted(name, hid)], lambda _: _filled(t, wire, tensors))
 
     def _allgather_one(self, output: torch.Tensor, input: torch.Tensor, kind: str):
         src = _flat(input).reshape(1, -1)
@@ -244,7 +250,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         hid, dst = self._allgather_one(output, input, "allgather")
-        return Work([hid], lambda _: (_into(output, dst), [output])[1])
+        return Work([hid], lambda _: _filled(output, dst, [output]))
 
     all_gather_single = _allgather_base
 

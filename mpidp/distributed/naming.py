@@ -28,11 +28,12 @@ class CallNames:
         """The next `kind` call's name. `shaped=False` for calls whose tensors may differ in
         shape between ranks (all-to-all, gather, scatter). May wait for the call that last
         had the name, if it is still in flight. Synchronization: that call's, if so."""
-        sig = (kind,) + tuple((t.dtype, t.shape if shaped else ()) for t in tensors)
+        parts = tuple((t.dtype, t.shape if shaped else ()) for t in tensors)
+        sig = (kind,) + parts
         with self._lock:
             names = self._names.get(sig)
             if names is None:
-                text = ";".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s in sig[1:])
+                text = ";".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s in parts)
                 names = self._names[sig] = [f"torch.{self._tag}.{kind}.{text}#{k}"
                                             for k in range(NAMES_PER_SIGNATURE)]
             n = self._counts.get(sig, 0)

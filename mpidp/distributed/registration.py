@@ -76,7 +76,7 @@ def install() -> None:
         getattr(c10d, "ProcessGroupMPI", None) is not None
     dist.Backend.register_backend(NAME, _plugin, extended_api=True, devices=["cpu", "cuda"])
     if not _torch_has_mpi:
-        c10d.ProcessGroupMPI = _MpiHook
+        setattr(c10d, "ProcessGroupMPI", _MpiHook)
         c10d._MPI_AVAILABLE = True
         # Backend("mpidp") now reads "mpi": init_process_group takes MPI's path, with no
         # store and no MASTER_ADDR, RANK or WORLD_SIZE to set.
