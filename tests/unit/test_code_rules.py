@@ -1,9 +1,11 @@
-"""Code rules checked in every test run: ruff's lint, module docstrings and sizes, *_built()."""
+"""Code rules checked in every test run: ruff, mypy, module docstrings and sizes, *_built()."""
 
 import ast
+import hashlib
 import pathlib
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -20,6 +22,16 @@ def test_ruff_lint_is_clean():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, f"ruff check found problems:\n{out.stdout}{out.stderr}"
+
+
+def test_mypy_is_clean():
+    """mypy over mpidp/ with the settings in pyproject.toml ([tool.mypy]). Its cache, one per
+    checkout in the system's temp dir, brings a second run from about 20 s of CPU to 1 s."""
+    key = hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]
+    cache = pathlib.Path(tempfile.gettempdir()) / f"mpidp-mypy-cache-{key}"
+    out = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=280)
+    assert out.returncode == 0, f"mypy found problems:\n{out.stdout}{out.stderr}"
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
