@@ -16,7 +16,6 @@ import threading
 _MAIN = threading.main_thread().ident
 _driving = False   # the main thread is running engine cycles
 _pending = False   # a SIGINT arrived meanwhile, not raised yet
-_previous = None   # the handler ours replaced (raises KeyboardInterrupt)
 # What batch systems send before they end a job (Slurm: SIGTERM at scancel and preemption,
 # SIGUSR1/2 with --signal), which scripts (Lightning among them) catch in Python.
 _JOB_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2")
@@ -29,17 +28,15 @@ def _on_sigint(signum, frame):
         _pending = True
         return
     _pending = False
-    _previous(signum, frame)
+    signal.default_int_handler(signum, frame)  # the handler ours replaced
 
 
 def install() -> None:
     """Defer SIGINT during driven cycles, if this is the main thread and SIGINT still has
     Python's own handler (a script's handler is left alone)."""
-    global _previous
     if threading.get_ident() != _MAIN or signal.getsignal(signal.SIGINT) is not \
             signal.default_int_handler:
         return
-    _previous = signal.default_int_handler
     signal.signal(signal.SIGINT, _on_sigint)
 
 

@@ -280,7 +280,8 @@ class Negotiator:
         gathered = mpi.gather_objects(self.control, (requests, snapshot, ages), 0)
         responses = None
         if self.rank == 0:
-            assert gathered is not None  # rank 0 is the root: it gathered every rank's
+            # rank 0 is the root (it gathered every rank's) and the coordinator (it has a table)
+            assert gathered is not None and self.table is not None
             now = time.monotonic()
             for rank, (reqs, _, waited) in enumerate(gathered):
                 self.table.add(rank, reqs)

@@ -25,9 +25,9 @@ def eager(fn):
         return disabled(*args, **kwargs)
 
     # Dynamo reads these off a function it meets in traced code: it calls it instead of tracing.
-    call._torchdynamo_disable = True
-    call._torchdynamo_disable_recursive = True
-    call._torchdynamo_orig_callable = fn
+    for attr, value in (("_torchdynamo_disable", True), ("_torchdynamo_disable_recursive", True),
+                        ("_torchdynamo_orig_callable", fn)):
+        setattr(call, attr, value)
     return call
 
 

@@ -95,6 +95,7 @@ class Rounds:
             self._exchange((code, args))
 
     def _exchange(self, message):
+        assert self.current is not None  # some rank joined in a round collected before
         leader = next(r for r, f in zip(self.ranks, self.current) if not f)
         return functions.broadcast_object(message, root_rank=leader, name=self.tag + "next",
                                           process_set=self.process_set)

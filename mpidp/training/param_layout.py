@@ -1,6 +1,6 @@
 """DistributedOptimizer's layout: names, buckets and hooks of the parameters it reduces now."""
 
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,6 +18,7 @@ class ParamLayout(wrapped.OptimizerWrapper):
     `_sparse_ops`, `_hooks`, `_guards`, `_step`) and defines `_hook`, `in_flight`."""
 
     _hooks: list
+    _named_list: Optional[List[Tuple[str, torch.nn.Parameter]]]
 
     def _layout(self) -> None:
         """Names, buckets and hooks for the optimizer's parameters that require a gradient now
