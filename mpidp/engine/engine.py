@@ -16,7 +16,7 @@ from .executor import Executor
 from .lane import Lane, plan as lane_plan
 from .stats import EngineStats
 from .response_cache import HIT
-from .tensor_queue import CACHED, Entry, TensorQueue, normal_mode
+from .tensor_queue import Entry, OpState, TensorQueue, normal_mode
 from .timeline import Timeline
 
 # Longest sleep between cycles that made no progress while this rank has ops waiting for other
@@ -182,7 +182,7 @@ class Engine:
         if status != HIT or not (self.queue.take_lone(entry) if queued
                                  else self.queue.hold(entry)):
             return False
-        entry.state, entry.bit = CACHED, bit
+        entry.state, entry.bit = OpState.CACHED, bit
         return True
 
     def _stopping(self) -> bool:

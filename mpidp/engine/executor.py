@@ -9,7 +9,7 @@ from ..log import logger
 from . import fusion, mpi
 from .messages import JOIN_NAME, OpType, Response
 from .stats import BatchBytes
-from .tensor_queue import NEW, Entry
+from .tensor_queue import Entry, OpState
 from .timeline import Timeline
 
 
@@ -52,7 +52,8 @@ class Executor:
                 self.complete(entry, error=MismatchError(resp.error))
             elif resp.op == OpType.JOIN:
                 neg.joined = False
-                neg.resend.update(n for n in resp.pending if n not in ops or ops[n].state == NEW)
+                neg.resend.update(n for n in resp.pending
+                                  if n not in ops or ops[n].state == OpState.NEW)
                 self.complete(ops.get(JOIN_NAME), result=(resp.last_joined, resp.serial))
             elif entry is None and resp.op == OpType.BARRIER:
                 continue  # this rank is joined: the others' barrier needs nothing from it

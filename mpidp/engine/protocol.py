@@ -56,12 +56,11 @@ from .messages import OpType, Request, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
-from .tensor_queue import CACHED, NEW, Entry
+from .tensor_queue import Entry, OpState
 
 F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED, F_TUNE = 1, 2, 4, 8, 16
 _MASK64 = (1 << 64) - 1
 _WAKING = F_SHUTDOWN | F_STALL  # the flags worth waking a sleeping peer for
-TO_SEND, SENT = 2, 3            # entry states past tensor_queue's NEW and CACHED
 CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
              OpType.REDUCESCATTER)
 # How often a sleeping engine tests for wake-ups: a peer's shutdown or stall check reaches it
@@ -116,7 +115,7 @@ class Negotiator:
     def admit(self, entry: Entry) -> None:
         """Put a drained op on the fast path (its cache bit) or the slow path."""
         req = entry.request
-        entry.state = TO_SEND
+        entry.state = OpState.TO_SEND
         if req.op == OpType.JOIN:
             self.joined = True
         elif self.resend and req.name in self.resend:
@@ -124,7 +123,7 @@ class Negotiator:
         elif req.cacheable and self.cache.capacity:
             status, bit = self.cache.lookup(req.name, entry.cache_key)
             if status == HIT:
-                entry.state, entry.bit = CACHED, bit
+                entry.state, entry.bit = OpState.CACHED, bit
             elif status == INVALID:
                 self.invalid.add(bit)
 
@@ -151,9 +150,9 @@ class Negotiator:
         Synchronization: one band allreduce on every rank of the engine, and with the slow path
         a gather and a broadcast at rank 0.
         """
-        admitted = [e for e in ops.values() if e.state != NEW]
+        admitted = [e for e in ops.values() if e.state != OpState.NEW]
         flags, self._woken, self._due = self._woken, 0, False
-        if any(e.state == TO_SEND for e in admitted):
+        if any(e.state == OpState.TO_SEND for e in admitted):
             flags |= F_UNCACHED
         if stopping():
             flags |= F_SHUTDOWN
@@ -166,7 +165,8 @@ class Negotiator:
             flags |= F_TUNE
         nb = 8 * ((self.cache.num_bits + 63) // 64)
         band = bytearray(2 * nb + 8)
-        band[:nb] = _bits_int(e.bit for e in admitted if e.state == CACHED).to_bytes(nb, "little")
+        cached = _bits_int(e.bit for e in admitted if e.state == OpState.CACHED)
+        band[:nb] = cached.to_bytes(nb, "little")
         band[nb:2 * nb] = (((1 << (8 * nb)) - 1) ^ _bits_int(self.invalid)).to_bytes(nb, "little")
         band[2 * nb:] = (_MASK64 ^ flags).to_bytes(8, "little")
         self.invalid = set()
@@ -264,17 +264,17 @@ class Negotiator:
     def _unbit(admitted: List[Entry], bits) -> None:
         """Ops waiting on `bits` (None: on any bit) go to the coordinator instead."""
         for e in admitted:
-            if e.state == CACHED and (bits is None or e.bit in bits):
-                e.state, e.bit = TO_SEND, -1
+            if e.state == OpState.CACHED and (bits is None or e.bit in bits):
+                e.state, e.bit = OpState.TO_SEND, -1
 
     def _slow_path(self, flags: int, ops, admitted: List[Entry], tune, tl):
-        outgoing = [e for e in admitted if e.state == TO_SEND]
+        outgoing = [e for e in admitted if e.state == OpState.TO_SEND]
         now = time.monotonic()
         requests = [e.request for e in outgoing]
         # How long each request waited here: rank 0's timeline places every rank's submission.
         ages = [now - e.submitted for e in outgoing]
         for e in outgoing:
-            e.state = SENT
+            e.state = OpState.SENT
         snapshot = [(e.request.name, now - e.submitted) for e in admitted] \
             if flags & F_STALL else None
         gathered = mpi.gather_objects(self.control, (requests, snapshot, ages), 0)

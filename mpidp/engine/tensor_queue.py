@@ -1,6 +1,7 @@
 """The op record and the submission queue: every op in flight on this rank, in one table."""
 
 import contextlib
+import enum
 import threading
 import time
 from typing import Dict, List, Optional
@@ -40,8 +41,13 @@ def normal_mode():
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NO_CONTEXT
 
 
-# Where an admitted op waits: on its response-cache bit, or for the coordinator's answer.
-NEW, CACHED, SENT = 0, 1, 2
+class OpState(enum.IntEnum):
+    """Where an op stands in negotiation (Entry.state); the engine and the protocol move it."""
+
+    NEW = 0      # submitted, not yet admitted by the engine
+    CACHED = 1   # waits on its response-cache bit in the band (Entry.bit)
+    TO_SEND = 2  # its request goes to the coordinator at the next slow path
+    SENT = 3     # its request is with the coordinator, which answers once every rank sent it
 
 
 class Entry(Handle):
@@ -65,7 +71,7 @@ class Entry(Handle):
         self.output = output      # where the result goes (is `tensor` when in place)
         self.extra = extra        # op-specific: alltoall splits
         self.submitted = time.monotonic()
-        self.state = NEW          # NEW until the engine admits it, then CACHED or SENT
+        self.state = OpState.NEW
         self.bit = -1             # response-cache bit while CACHED
         if cache_key is None and request.cacheable:
             cache_key = request.cache_key()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpidp.engine.messages import OpType, Request
-from mpidp.engine.tensor_queue import CACHED, NEW, Entry, TensorQueue
+from mpidp.engine.tensor_queue import Entry, OpState, TensorQueue
 from mpidp.errors import EngineShutdownError
 
 
@@ -19,7 +19,7 @@ def test_entry_fields():
     e = entry("a")
     assert e.request.name == "a" and e.output is e.tensor
     assert e.name == "a" and not e.done()
-    assert e.state == NEW and e.bit == -1
+    assert e.state == OpState.NEW and e.bit == -1
     assert e.cache_key == e.request.cache_key()
     assert entry("b", cacheable=False).cache_key is None
     e.rename("noname.3")
@@ -139,5 +139,6 @@ def test_close_raises_a_fresh_copy_each_time():
     assert first.value is not err
 
 
-def test_states_are_distinct():
-    assert len({NEW, CACHED}) == 2
+def test_op_states_are_one_enum_with_distinct_values():
+    """The engine and the protocol share one set of states: no value stands for two."""
+    assert len({int(s) for s in OpState}) == len(OpState) == 4
