@@ -6,7 +6,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import mpi, scaling
+from . import band as layout, mpi, scaling
 from .backends.host import HostBackend
 from .messages import OpType, ReduceOp
 
@@ -22,7 +22,7 @@ class Lane:
     change, no prescale). `op` is None where the general data path must run the op.
     """
 
-    __slots__ = ("backend", "op", "factor", "nbytes", "bit", "sent")
+    __slots__ = ("backend", "op", "factor", "nbytes", "bit", "num_bits", "sent")
 
     def __init__(self, backend: Optional[HostBackend] = None, op=None, factor: float = 1.0,
                  nbytes: int = 0):
@@ -30,16 +30,14 @@ class Lane:
         self.op = op
         self.factor = factor
         self.nbytes = nbytes
-        self.bit = -1
+        self.bit = self.num_bits = -1  # what `sent` was made for
         self.sent = b""
 
     def band(self, bit: int, num_bits: int) -> bytes:
         """The band with `bit` alone set, AND-neutral elsewhere (no invalid bit, no flag)."""
-        nb = 8 * ((num_bits + 63) // 64)
-        if bit != self.bit or len(self.sent) != 2 * nb + 8:
-            sent = bytearray(nb) + b"\xff" * (nb + 8)
-            sent[bit >> 3] = 1 << (bit & 7)
-            self.bit, self.sent = bit, bytes(sent)
+        if bit != self.bit or num_bits != self.num_bits:
+            self.bit, self.num_bits = bit, num_bits
+            self.sent = bytes(layout.pack(layout.part_bytes(num_bits), 1 << bit, 0, 0))
         return self.sent
 
     def run(self, src: torch.Tensor, out: torch.Tensor, stats) -> None:

@@ -12,10 +12,10 @@ One cycle, on every rank:
  2. Band: a bitwise-AND allreduce of one uint64 vector of 2w + 1 words, w = ceil(bits / 64):
     words [0, w) hold the bits of this rank's CACHED ops; words [w, 2w) the complement of the
     bits this rank found invalid (cached under other metadata); the last word the complement of
-    this rank's flags. The complements make the AND an OR for those two parts. Flags:
-    UNCACHED (some rank has ops for the coordinator), SHUTDOWN (some rank stops), STALL (some
-    rank asks for a stall check), JOINED (some rank has joined), TUNE (rank 0 sends autotuned
-    parameters).
+    this rank's flags. The complements make the AND an OR for those two parts (band.py packs and
+    reads it). Flags: UNCACHED (some rank has ops for the coordinator), SHUTDOWN (some rank
+    stops), STALL (some rank asks for a stall check), JOINED (some rank has joined), TUNE (rank 0
+    sends autotuned parameters).
  3. With SHUTDOWN set, every rank stops after this cycle and fails its ops with the reason.
     Invalid bits are evicted on every rank (ops waiting on them go to the coordinator). Bits set
     on every rank are ready, in bit order: identical everywhere. With JOINED, no bit is ready and
@@ -51,7 +51,7 @@ coordinator gets every rank's snapshot and names the missing ranks.
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import mpi
+from . import band as layout, mpi
 from .messages import OpType, Request, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
@@ -59,7 +59,6 @@ from .stall import StallInspector
 from .tensor_queue import Entry, OpState
 
 F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED, F_TUNE = 1, 2, 4, 8, 16
-_MASK64 = (1 << 64) - 1
 _WAKING = F_SHUTDOWN | F_STALL  # the flags worth waking a sleeping peer for
 CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
              OpType.REDUCESCATTER)
@@ -67,25 +66,6 @@ CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOA
 # within this. The test itself costs under 1 us, but waking the thread costs about 150 us of CPU
 # on this VM (timer wake-ups are dear here): 0.05 s measured 0.30 % of a core, hence 0.1 s.
 WAKE_POLL_S = 0.1
-
-
-# The band is built and read as Python integers and bytes: numpy's pack/unpack calls cost
-# more than the band allreduce itself for the few bits a cycle carries.
-def _bits_int(bits) -> int:
-    x = 0
-    for bit in bits:
-        x |= 1 << bit
-    return x
-
-
-def _int_bits(x: int) -> List[int]:
-    """The set bits of `x`, lowest first."""
-    out = []
-    while x:
-        low = x & -x
-        out.append(low.bit_length() - 1)
-        x ^= low
-    return out
 
 
 class Negotiator:
@@ -163,15 +143,12 @@ class Negotiator:
             flags |= F_STALL
         if tune is not None:
             flags |= F_TUNE
-        nb = 8 * ((self.cache.num_bits + 63) // 64)
-        band = bytearray(2 * nb + 8)
-        cached = _bits_int(e.bit for e in admitted if e.state == OpState.CACHED)
-        band[:nb] = cached.to_bytes(nb, "little")
-        band[nb:2 * nb] = (((1 << (8 * nb)) - 1) ^ _bits_int(self.invalid)).to_bytes(nb, "little")
-        band[2 * nb:] = (_MASK64 ^ flags).to_bytes(8, "little")
+        cached = layout.bits_int(e.bit for e in admitted if e.state == OpState.CACHED)
+        band = layout.pack(layout.part_bytes(self.cache.num_bits), cached,
+                           layout.bits_int(self.invalid), flags)
         self.invalid = set()
         self._exchange(band, flags, admitted, oldest, stopping, spin)
-        return self._read(band, nb, ops, admitted, tune, timeline)
+        return self._read(band, ops, admitted, tune, timeline)
 
     def quiet(self) -> bool:
         """Nothing but a new op would go into the next band: no wake-up due, no join pending,
@@ -186,11 +163,10 @@ class Negotiator:
         the band. Any other band is read as negotiate() reads it. Synchronization: as
         negotiate().
         """
-        nb = (len(sent) - 8) // 2
         band = bytearray(sent)
         self._exchange(band, 0, [entry], entry.submitted, stopping, True)
         if band != sent:
-            return self._read(band, nb, ops, [entry], None, lambda: None)
+            return self._read(band, ops, [entry], None, lambda: None)
         self.cache.touch(entry.bit)
         self.stats.cache_hits += 1
         self.stats.end_negotiation(time.monotonic())
@@ -219,12 +195,12 @@ class Negotiator:
         self._asked_stop = stopping()
         self.cycles += 1
 
-    def _read(self, band: bytearray, nb: int, ops: Dict[str, Entry], admitted: List[Entry],
-              tune, timeline):
+    def _read(self, band: bytearray, ops: Dict[str, Entry], admitted: List[Entry], tune,
+              timeline):
         """Steps 3-4 on the reduced band: negotiate()'s result."""
         st = self.stats
         timeline = timeline()
-        flags = _MASK64 ^ int.from_bytes(band[2 * nb:], "little")
+        ready, invalid_bits, flags = layout.unpack(band)
         if flags & F_SHUTDOWN:
             # Every rank is in this cycle: one more small collective says who stops, so the
             # others' errors name the rank (and host) whose script ended or called shutdown().
@@ -235,14 +211,13 @@ class Negotiator:
             self.box.drain(sum(sent[self.rank] for _, sent in said))
             st.end_negotiation(time.monotonic())
             return [], True, None
-        full = (1 << (8 * nb)) - 1
-        invalid = _int_bits(full ^ int.from_bytes(band[nb:2 * nb], "little"))
+        invalid = layout.int_bits(invalid_bits)
         for bit in invalid:
             self.cache.evict(bit)
         self._unbit(admitted, set(invalid))
         responses: List[Response] = []
         if not flags & F_JOINED:
-            for bit in _int_bits(int.from_bytes(band[:nb], "little")):
+            for bit in layout.int_bits(ready):
                 responses.append(self.cache.response(bit))
                 self.cache.touch(bit)
         st.cache_hits += len(responses)
