@@ -2,17 +2,18 @@
 
 import itertools
 import warnings
+from typing import Dict
+
 import torch
 
 from ..ops.eager import eager
 from ..ops import op_args
 from .. import ops
-from . import overlap, param_layout, pass_guard, wrapped
+from . import overlap, pass_guard, wrapped
 from ..runtime import world
-from ..ops.sparse import sparse_allreduce_async
-from .buckets import Bucket
+from ..ops.sparse import SparseGradients, sparse_allreduce_async
+from .buckets import Bucket, claim, group_ids, make_buckets, named, release
 from .step_state import Phase, StepState
-from .closure import reduced as reduced_closure
 from ..runtime.process_sets import is_outside, member_of
 from ..ops.compression import Compression
 from ..ops import Average
@@ -21,7 +22,7 @@ from ..ops import Average
 _created = itertools.count()
 
 
-class DistributedOptimizer(param_layout.ParamLayout):
+class DistributedOptimizer(wrapped.OptimizerWrapper):
     """Wraps `optimizer`; averages gradients across ranks, overlapping the backward pass.
 
     As in Horovod, its class is built from the wrapped optimizer's: `isinstance(opt,
@@ -67,7 +68,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
             raise ValueError("gradient_predivide_factor needs op=Average")
         if gradient_predivide_factor <= 0:
             raise ValueError("gradient_predivide_factor must be > 0")
-        self.__dict__["_opt"] = optimizer
+        super().__init__(optimizer)
         self._process_set = process_set
         self._set_id = None if member is None else member.set_id
         # Kept whole: parameters added or unfrozen later are named from it too.
@@ -87,7 +88,7 @@ class DistributedOptimizer(param_layout.ParamLayout):
         self._seq = next(_created)  # the same on every rank: they create optimizers alike
         self._in_backward = self.completes_in_backward and \
             world.state().config.reduce_in_backward
-        self._hooks = []
+        self._hooks: list = []
         self._guards = pass_guard.Guards([], self._before_accumulation)
         self._layout()
         self._overlap = overlap.decide(world.state(), self._trained)
@@ -120,6 +121,74 @@ class DistributedOptimizer(param_layout.ParamLayout):
         if not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         self._step.passes_per_step = passes
+
+    # ---- the parameters' layout ----
+
+    def _layout(self) -> None:
+        """Names, buckets and hooks for the optimizer's parameters that require a gradient now
+        (frozen ones get no hook and no bucket, as in Horovod). Run at wrapping, and again
+        between steps when the parameters or their requires_grad change (kept requests go)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._names = named(self._opt, self._named_list)
+        if self._set_id is not None:
+            release(self)  # its own earlier names do not collide with the new ones
+            self._names = claim(self, self._set_id, self._names)
+        self._is_sparse = SparseGradients(not self._sparse_ops)  # kinds agreed anew
+        live = [] if self._outside else list(self._names)
+        trained = self._trained = [p for p in live if p.requires_grad]
+        self._frozen = [p for p in live if not p.requires_grad]
+        groups = group_ids(self._names, *self._grouping)
+        self._buckets = make_buckets(trained, self._names, groups,
+                                     world.state().config.bucket_bytes)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook))
+                       for p in trained]
+        self._guards.reset(trained)
+
+    @property
+    def _overlap(self) -> bool:
+        """Whether buckets are submitted during backward (the `overlap` knob)."""
+        return self._overlapping
+
+    @_overlap.setter
+    def _overlap(self, flag: bool) -> None:
+        self._overlapping = bool(flag)
+        self._guards.set(self._overlapping)
+
+    @property
+    def _parameter_names(self) -> Dict[torch.nn.Parameter, str]:
+        """Parameter -> the name its gradient is reduced under (Horovod's map; scripts read it)."""
+        return self._names
+
+    def add_param_group(self, param_group):
+        """Add a parameter group to the wrapped optimizer, as torch's add_param_group does, and
+        reduce its gradients from the next step on (progressive unfreezing). Between steps only;
+        every rank of the set must add the same group in the same order. A new parameter
+        without a name in `named_parameters` (a module added after wrapping) is named by its
+        position, as Horovod names them all without `named_parameters`."""
+        if self.in_flight() or self._step.phase is not Phase.IDLE:
+            raise ValueError("DistributedOptimizer.add_param_group() was called during a step "
+                             "(after backward, before step() or synchronize()); add parameter "
+                             "groups between steps")
+        self._opt.add_param_group(param_group)
+        if self._named_list is not None:
+            known = {p for _, p in self._named_list}
+            index = len(self._opt.param_groups) - 1
+            self._named_list += [(f"allreduce.noname.{index}.{j}", p) for j, p in
+                                 enumerate(self._opt.param_groups[-1]["params"])
+                                 if p not in known]
+        self._layout()
+
+    def _follow_requires_grad(self) -> None:
+        """A new layout if, before any gradient of this step, the script has frozen or unfrozen
+        parameters since the last (the same way on every rank, as the program is the same)."""
+        if self._step.phase is Phase.IDLE and not self.in_flight() and (
+                any(p.requires_grad for p in self._frozen)
+                or not all(p.requires_grad for p in self._trained)):
+            self._layout()
+
+    # ---- during backward ----
 
     def _too_many_passes(self, p) -> RuntimeError:
         return pass_guard.too_many_passes(self._names[p], self._step.passes_per_step,
@@ -287,9 +356,27 @@ class DistributedOptimizer(param_layout.ParamLayout):
             if closure is None or self.in_flight():
                 self.synchronize()
             if closure is not None:
-                closure = reduced_closure(self, closure)
+                closure = self._reduced_closure(closure)
         self._step.stepped()
         return self._opt.step(closure)
+
+    def _reduced_closure(self, closure):
+        """`closure` whose gradients (synchronize()) and returned loss are averaged over the
+        set, so that an optimizer calling it several times (LBFGS) decides alike on every rank.
+        Synchronization: synchronize()'s, then one allreduce of the loss."""
+        def call():
+            loss = closure()
+            self.synchronize()
+            self._step.stepped()  # the step's own: no "reduced a second time" warning later
+            if loss is None:
+                return None
+            value = torch.as_tensor(loss).detach().to(torch.float64).reshape(1)
+            avg = ops.synchronize(ops.allreduce_async(value, name="mpidp.closure_loss",
+                                                      process_set=self._process_set))
+            if isinstance(loss, torch.Tensor):
+                return avg.to(loss.dtype).reshape(loss.shape)
+            return avg.item()  # a float, whatever number type the closure returned
+        return call
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; refuses while reductions are in flight (call step() first); the

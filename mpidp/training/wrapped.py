@@ -37,6 +37,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
     there (`param_groups`, `state`, `defaults`, ...), so LR schedulers and GradScaler work
     unchanged. torch.optim.Optimizer.__init__ is never called: the state lives in `_opt`."""
 
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.__dict__["_opt"] = optimizer
+
     def __getattr__(self, name):
         return getattr(self.__dict__["_opt"], name)
 
