@@ -135,18 +135,17 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     options are copied. `process_set` (default: global) holds the ranks that take part;
     `root_rank` is a global rank. Synchronization: blocks on every rank of that set.
     """
-    opt = getattr(optimizer, "_opt", optimizer)
     if getattr(optimizer, "is_sharded", False):
         # A ShardedOptimizer's state is each rank's own part: only the options are copied.
         groups = broadcast_object([{k: v for k, v in g.items() if k != "params"}
-                                   for g in opt.param_groups], root_rank,
+                                   for g in optimizer.param_groups], root_rank,
                                   name="broadcast_optimizer_state.options",
                                   process_set=process_set)
-        for group, options in zip(opt.param_groups, groups):
+        for group, options in zip(optimizer.param_groups, groups):
             group.update(options)
         return
-    names = _param_names(opt, model)
-    state = opt.state_dict()
+    names = _param_names(optimizer, model)
+    state = optimizer.state_dict()
     fresh = not state["state"]
     rank = world.rank()
     layout = None
@@ -182,9 +181,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
         new_state[idx] = entry
     for handle in handles:
         synchronize(handle)
-    opt.load_state_dict({"state": new_state, "param_groups": layout["param_groups"]})
+    optimizer.load_state_dict({"state": new_state, "param_groups": layout["param_groups"]})
     if fresh:
-        _zero_missing_grads(opt)
+        _zero_missing_grads(optimizer)
 
 
 def _zero_missing_grads(opt) -> None:
