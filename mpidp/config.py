@@ -169,6 +169,12 @@ class Config:
         "op, and after which a rank stuck in an MPI call (a host unreachable) ends the job "
         "naming the ranks and hosts it waits on; 0 means never.",
         horovod="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    order_check_s: float = _knob(
+        "MPIDP_ORDER_CHECK_S", _nonneg_float, 1.0,
+        "Seconds a torch.distributed call (backend mpidp) may wait before its group's ranks "
+        "compare what each waits for: ranks that called different collectives, or the same "
+        "with other shapes or dtypes, then get a MismatchError naming the calls and the ranks "
+        "(gloo and NCCL hang there); 0 disables the check.")
     log_level: str = _knob(
         "MPIDP_LOG_LEVEL", _log_level, "warning",
         "Level of mpidp's rank-prefixed log.",

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ..engine.dtypes import SUPPORTED
 from ..engine.messages import ReduceOp
+from ..errors import MismatchError
 from ..ops import allreduce_ops, gather_ops
 from ..ops.barrier_join import barrier
 from ..ops.collectives import allreduce_
@@ -100,6 +101,16 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     # ---- what torch asks of a process group ----
 
+    def _work(self, handles: List[int], finish) -> Work:
+        return Work(handles, finish, on_error=self._names.failed)
+
+    def _blocking_allreduce(self, t: torch.Tensor, name: str, op) -> None:
+        try:
+            allreduce_(t, name=name, op=op, process_set=self._ps)
+        except MismatchError as exc:
+            self._names.failed(exc)
+            raise
+
     def getBackendName(self) -> str:
         return "mpidp"
 
@@ -134,7 +145,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 wire.copy_(work_t)
         name = self._names.next("allreduce", [work_t])
         if blocking and pre == 1.0 and t.device.type == "cpu":
-            allreduce_(work_t, name=name, op=op, process_set=self._ps)
+            self._blocking_allreduce(work_t, name, op)
             finish()
             return None, finish
         hid = allreduce_ops.allreduce_async_(work_t, name=name, op=op, prescale_factor=pre,
@@ -147,15 +158,14 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             t, op = tensors[0], _OPS.get(opts.reduceOp.op)
             if op is not None and t.is_cpu and t.dtype in SUPPORTED and t.is_contiguous() \
                     and op not in BITWISE:
-                allreduce_(t, name=self._names.next("allreduce", (t,)), op=op,
-                           process_set=self._ps)
+                self._blocking_allreduce(t, self._names.next("allreduce", (t,)), op)
                 return self._done
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         hid, finish = self._allreduce_one(tensors[0], opts.reduceOp, not opts.asyncOp)
         if hid is None:
             return Work.finished(tensors)
-        return Work([hid], lambda _: (finish(), tensors)[1])
+        return self._work([hid], lambda _: (finish(), tensors)[1])
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -171,7 +181,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 if w is not c:
                     w.copy_(c)
             return list(tensors)
-        return Work([self._names.submitted(name, hid)], finish)
+        return self._work([self._names.submitted(name, hid)], finish)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -181,7 +191,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         hid, finish = self._allreduce_one(target, opts.reduceOp, not opts.asyncOp)
         if hid is None:
             return Work.finished(tensors)
-        return Work([hid], lambda _: (finish(), tensors)[1])
+        return self._work([hid], lambda _: (finish(), tensors)[1])
 
     def _reduce_scatter_one(self, output: torch.Tensor, rows: torch.Tensor, red, kind: str):
         op, pre = _engine_op(red)
@@ -205,7 +215,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         hid, fin = self._reduce_scatter_one(output, input, opts.reduceOp, "reduce_scatter")
-        return Work([hid], lambda _: (fin(), [output])[1])
+        return self._work([hid], lambda _: (fin(), [output])[1])
 
     reduce_scatter_single = _reduce_scatter_base
 
@@ -217,13 +227,14 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             hid, fin = self._reduce_scatter_one(out, rows, opts.reduceOp, "reduce_scatter")
             hids.append(hid)
             fins.append(fin)
-        return Work(hids, lambda _: ([f() for f in fins], list(output_tensors))[1])
+        return self._work(hids, lambda _: ([f() for f in fins], list(output_tensors))[1])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         pairs = [self._reduce_scatter_one(o, i, opts.reduceOp, "reduce_scatter")
                  for o, i in zip(outputs, inputs)]
-        return Work([h for h, _ in pairs], lambda _: ([f() for _, f in pairs], list(outputs))[1])
+        return self._work([h for h, _ in pairs],
+                          lambda _: ([f() for _, f in pairs], list(outputs))[1])
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -235,7 +246,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         wire = _flat(t)
         name = self._names.next("broadcast", [wire])
         hid = gather_ops.broadcast_async_(wire, opts.rootRank, name=name, process_set=self._ps)
-        return Work([self._names.submitted(name, hid)], lambda _: _filled(t, wire, tensors))
+        return self._work([self._names.submitted(name, hid)], lambda _: _filled(t, wire, tensors))
 
     def _allgather_one(self, output: torch.Tensor, input: torch.Tensor, kind: str):
         src = _flat(input).reshape(1, -1)
@@ -250,7 +261,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         hid, dst = self._allgather_one(output, input, "allgather")
-        return Work([hid], lambda _: _filled(output, dst, [output]))
+        return self._work([hid], lambda _: _filled(output, dst, [output]))
 
     all_gather_single = _allgather_base
 
@@ -262,7 +273,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 for i, o in enumerate(outs):
                     _into(o, dst[i])
             return [o for outs in output_tensors for o in outs]
-        return Work([h for h, _ in jobs], finish)
+        return self._work([h for h, _ in jobs], finish)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         jobs = [self._allgather_one(o, i, "allgather") for o, i in zip(outputs, inputs)]
@@ -271,7 +282,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             for o, (_, dst) in zip(outputs, jobs):
                 _into(o, dst)
             return list(outputs)
-        return Work([h for h, _ in jobs], finish)
+        return self._work([h for h, _ in jobs], finish)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -302,7 +313,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             received, _ = results[0]
             _into(output, received)
             return [output]
-        return Work([hid], finish)
+        return self._work([hid], finish)
 
     all_to_all_single = alltoall_base
 
@@ -318,7 +329,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 _into(o, received[offset:offset + n])
                 offset += n
             return list(output_tensors)
-        return Work([hid], finish)
+        return self._work([hid], finish)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
@@ -335,7 +346,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                     _into(o, received[offset:offset + n])
                     offset += n
             return [o for outs in output_tensors for o in outs]
-        return Work([hid], finish)
+        return self._work([hid], finish)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -350,7 +361,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         def finish(results):
             _into(out, results[0][0])
             return [out]
-        return Work([hid], finish)
+        return self._work([hid], finish)
 
     def barrier(self, opts=None):
         barrier(self._ps)

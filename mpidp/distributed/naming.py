@@ -3,6 +3,7 @@
 import threading
 from typing import Dict, List, Sequence
 
+from ..errors import MismatchError
 from ..ops.waits import poll, synchronize
 
 # Ops of one signature in flight at once on a group before the next waits for the oldest: a
@@ -48,6 +49,15 @@ class CallNames:
             except ValueError:
                 pass  # its work synchronized it meanwhile: the handle is spent
         return name
+
+    def failed(self, error: BaseException) -> None:
+        """A call failed with `error`: after a MismatchError (the ranks disagreed, so their
+        counts may differ) every rank starts counting afresh, as each gets the error for the
+        calls it waits on, so the group's next calls match again."""
+        if isinstance(error, MismatchError):
+            with self._lock:
+                self._counts.clear()
+                self._inflight.clear()
 
     def submitted(self, name: str, handle: int) -> int:
         """Note that `name`'s call is in flight as `handle`; returns the handle."""

@@ -66,11 +66,13 @@ class Work(dist.Work):
     """
 
     def __init__(self, handles: List[int], finish: Callable[[list], List[torch.Tensor]],
-                 source_rank: Callable[[], int] = lambda: -1, pending: bool = False):
+                 source_rank: Callable[[], int] = lambda: -1, pending: bool = False,
+                 on_error: Optional[Callable[[BaseException], None]] = None):
         super().__init__()
         self._handles = handles
         self._finish = finish
         self._source = source_rank
+        self._on_error = on_error
         self._future: torch.futures.Future = torch.futures.Future()
         self._lock = threading.Lock()
         self._done = False
@@ -97,6 +99,8 @@ class Work(dist.Work):
                 self._value = self._finish(results)
             except BaseException as exc:  # noqa: BLE001  (the waiter re-raises it)
                 self._error = exc
+                if self._on_error is not None:
+                    self._on_error(exc)
             self._done = True
         if self._error is not None:
             self._future.set_exception(self._error)

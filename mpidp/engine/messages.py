@@ -34,6 +34,9 @@ class ReduceOp(enum.IntEnum):
     BXOR = 8
 
 
+# Names of calls whose ranks must make them in the same order (torch.distributed's rule): the
+# stall inspector compares what each rank waits for under this prefix (stall.py).
+ORDERED_PREFIX = "torch."
 JOIN_NAME = "mpidp.join"  # the one name join() requests use on every rank
 
 OP_NAMES = {OpType.ALLREDUCE: "allreduce", OpType.ALLGATHER: "allgather",

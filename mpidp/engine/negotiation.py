@@ -113,6 +113,11 @@ class MessageTable:
             slot = self.table.setdefault(req.name, {})
             slot[rank] = req
 
+    def drop(self, names) -> None:
+        """Forget the submissions of `names` (answered otherwise: the ranks disagreed)."""
+        for name in names:
+            self.table.pop(name, None)
+
     def ready(self) -> List[Response]:
         """Responses for every name now submitted by all ranks that have not joined (or that
         joined but still serve the name's prefix), in order."""

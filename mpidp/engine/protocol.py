@@ -52,7 +52,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import band as layout, mpi
-from .messages import OpType, Request, Response
+from .messages import ORDERED_PREFIX, OpType, Request, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
@@ -79,7 +79,8 @@ class Negotiator:
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.cache = ResponseCache(config.cache_capacity)
         self.table = MessageTable(self.size) if self.rank == 0 else None
-        self.stall = StallInspector(self.size, config.stall_warning_s, config.stall_shutdown_s)
+        self.stall = StallInspector(self.size, config.stall_warning_s, config.stall_shutdown_s,
+                                    config.order_check_s)
         self.stats = stats
         self.invalid = set()
         self.joined = False   # this rank's JOIN is pending
@@ -139,7 +140,7 @@ class Negotiator:
         if self.joined:
             flags |= F_JOINED
         oldest = min((e.submitted for e in admitted), default=0.0)
-        if admitted and self.stall.should_raise(time.monotonic() - oldest):
+        if admitted and self._check_due(admitted, oldest):
             flags |= F_STALL
         if tune is not None:
             flags |= F_TUNE
@@ -172,6 +173,14 @@ class Negotiator:
         self.stats.end_negotiation(time.monotonic())
         return [self.cache.response(entry.bit)], False, None
 
+    def _check_due(self, admitted: List[Entry], oldest: float) -> bool:
+        """Whether to ask for a stall check: an op waited too long (or an ordered one, which
+        torch.distributed's calls are, past order_check_s: the ranks may disagree)."""
+        now = time.monotonic()
+        ordered = min((e.submitted for e in admitted if e.name.startswith(ORDERED_PREFIX)),
+                      default=now) if self.stall.order_check_s > 0 else now
+        return self.stall.should_raise(now - oldest, now - ordered)
+
     def _exchange(self, band: bytearray, flags: int, admitted: List[Entry], oldest: float,
                   stopping: Callable[[], bool], spin: bool) -> None:
         """Step 2: the band allreduce, waking sleeping peers when a reason arises (now or
@@ -183,7 +192,7 @@ class Negotiator:
         def poll():  # while the band waits: wake sleeping peers if a reason arose meanwhile
             nonlocal sent
             extra = F_SHUTDOWN if not sent & F_SHUTDOWN and stopping() else 0
-            if admitted and self.stall.should_raise(time.monotonic() - oldest):
+            if admitted and self._check_due(admitted, oldest):
                 extra |= F_STALL
             if extra:
                 sent |= extra
@@ -264,6 +273,13 @@ class Negotiator:
                     tl.arrived(rank, reqs, waited, now)
             responses = self.table.ready()
             if flags & F_STALL:
+                snapshots = {r: snap for r, (_, snap, _) in enumerate(gathered)}
+                disorder = self.stall.disorder(snapshots, self.table.joined)
+                if disorder is not None:
+                    names, error = disorder
+                    self.table.drop(names)
+                    responses += [Response(n, OpType.ERROR, Request(n, OpType.ERROR), error=error)
+                                  for n in names]
                 reason = self.stall.inspect({r: snap for r, (_, snap, _) in enumerate(gathered)},
                                             self.table.joined)
                 if reason:

@@ -6,12 +6,22 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import KNOBS, read_env
 from ..log import logger
+from .messages import ORDERED_PREFIX
 
 Snapshot = Sequence[Tuple[str, float]]  # one rank's pending (name, age in seconds)
 
 
 def _ranks(ranks) -> str:
     return ",".join(map(str, sorted(ranks)))
+
+
+def _describe(name: str) -> str:
+    """'allreduce float32[3, 4] (op 'torch.w.allreduce.float32[3, 4]#0')' from an ordered op's
+    name (prefix, group, kind, signature, count)."""
+    parts = name[len(ORDERED_PREFIX):].split(".", 2)
+    if len(parts) == 3:
+        return f"{parts[1]} {parts[2].rsplit('#', 1)[0]} (op {name!r})"
+    return repr(name)
 
 
 def _variable(field: str) -> str:
@@ -24,28 +34,56 @@ class StallInspector:
     """Warns of each stalled name, again every warning_s while it waits (as Horovod does);
     returns a shutdown reason once a stall outlives the limit."""
 
-    def __init__(self, size: int, warning_s: float, shutdown_s: float):
+    def __init__(self, size: int, warning_s: float, shutdown_s: float,
+                 order_check_s: float = 0.0):
         self.size = size
         self.warning_s = warning_s
         self.shutdown_s = shutdown_s
+        self.order_check_s = order_check_s
         self._warned: Dict[str, Tuple[float, float]] = {}  # name -> (stall began, warned at)
         self._last_raise = 0.0
 
     def enabled(self) -> bool:
         return self.warning_s > 0 or self.shutdown_s > 0
 
-    def should_raise(self, oldest_age: float) -> bool:
-        """Whether this rank should ask for a stall check now (rate-limited)."""
-        w, s = self.warning_s, self.shutdown_s
+    def should_raise(self, oldest_age: float, ordered_age: float = 0.0) -> bool:
+        """Whether this rank should ask for a stall check now (rate-limited): its oldest op
+        waited past a stall limit, or its oldest ordered op (ORDERED_PREFIX) past
+        order_check_s."""
+        w, s, o = self.warning_s, self.shutdown_s, self.order_check_s
         # Past the smallest positive limit iff past some positive limit (checked every cycle).
-        if oldest_age <= 0 or not (0 < w <= oldest_age or 0 < s <= oldest_age):
+        late = oldest_age > 0 and (0 < w <= oldest_age or 0 < s <= oldest_age)
+        if not (late or (ordered_age > 0 and 0 < o <= ordered_age)):
             return False
-        threshold = min(t for t in (w, s) if t > 0)
+        threshold = min(t for t in (w, s, o) if t > 0)
         now = time.monotonic()
         if now - self._last_raise >= min(1.0, threshold / 2):
             self._last_raise = now
             return True
         return False
+
+    def disorder(self, snapshots: Dict[int, Snapshot], joined: Sequence[int]):
+        """Ranks that wait on different ordered calls: (every pending ordered name, the error
+        naming each rank's oldest call), or None. Ranks that make the same calls in the same
+        order always share the oldest pending call of the last of them to arrive, so when every
+        rank waits on ordered calls and none is common to all, they called different ones."""
+        ranks = [r for r in range(self.size) if r not in set(joined)]
+        ordered = {r: [(n, a) for n, a in snapshots.get(r, ()) if n.startswith(ORDERED_PREFIX)]
+                   for r in ranks}
+        if len(ranks) < 2 or not all(ordered.values()):
+            return None
+        common = set.intersection(*({n for n, _ in items} for items in ordered.values()))
+        if common:
+            return None
+        oldest: Dict[str, List[int]] = {}
+        for r, items in ordered.items():
+            oldest.setdefault(max(items, key=lambda item: item[1])[0], []).append(r)
+        calls = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} called "
+                          f"{_describe(name)}" for name, rs in
+                          sorted(oldest.items(), key=lambda kv: kv[1]))
+        names = sorted({n for items in ordered.values() for n, _ in items})
+        return names, (f"ranks called different collectives: {calls}; every rank of a group "
+                       f"must make the same calls (collective, dtypes, shapes) in the same order")
 
     def inspect(self, snapshots: Dict[int, Snapshot], joined: Sequence[int]) -> Optional[str]:
         """Log stalled names with their missing ranks; return a shutdown reason if one is due."""

@@ -324,3 +324,35 @@ def test_ddp_trains_as_one_process_on_the_whole_batch(case):
     worst = max((a - b).abs().max().item() for a, b in zip(ddp.module.parameters(),
                                                             ref.parameters()))
     assert_all(worst <= tol, f"{case}: parameters differ from one process by {worst:.2e}")
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_ranks_that_call_differently_get_a_mismatch_error_and_go_on(blocking):
+    """Different shapes, then different collectives: a MismatchError on every rank within
+    seconds (MPIDP_ORDER_CHECK_S), naming the calls and ranks; the next calls work."""
+    if size() == 1:
+        return
+    r = rank()
+
+    def differing_shapes():
+        t = torch.ones(3 if r == 0 else 4)
+        work = dist.all_reduce(t, async_op=not blocking)
+        if work is not None:
+            work.wait()
+
+    err = raises_all(mpidp.MismatchError, differing_shapes, match="different collectives")
+    assert_all(err is not None and "rank 0 called allreduce float32[3]" in str(err), str(err))
+
+    def differing_collectives():
+        t = torch.ones(2)
+        work = (dist.all_reduce(t, async_op=True) if r == 0
+                else dist.broadcast(t, src=0, async_op=True))
+        work.wait()
+
+    raises_all(mpidp.MismatchError, differing_collectives, match="broadcast")
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    u = torch.ones(4)
+    dist.all_reduce(u)
+    check([("after the mismatches", t, torch.full((3,), float(size()))),
+           ("and again", u, torch.full((4,), float(size())))])

@@ -25,6 +25,7 @@ DEFAULTS = {
     "cache_capacity": 1024,
     "stall_warning_s": 60.0,
     "stall_shutdown_s": 0.0,
+    "order_check_s": 1.0,
     "log_level": "warning",
     "abort_on_error": True,
     "timeline_path": "",

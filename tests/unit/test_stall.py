@@ -232,3 +232,28 @@ def test_shutdown_without_warning_logs_nothing(warnings_):
 def test_no_shutdown_when_shutdown_limit_is_zero():
     insp = StallInspector(2, warning_s=1.0, shutdown_s=0.0)
     assert insp.inspect({0: [("a", 1e6)], 1: []}, []) is None
+
+
+def test_disorder_names_each_ranks_call_when_no_ordered_call_is_common():
+    insp = StallInspector(3, warning_s=60.0, shutdown_s=0.0, order_check_s=1.0)
+    a, b = "torch.w.allreduce.float32[3]#0", "torch.w.broadcast.float32[4]#2"
+    found = insp.disorder({0: [(a, 2.0)], 1: [(a, 1.5), ("mine", 9.0)], 2: [(b, 1.2)]}, [])
+    assert found is not None
+    names, error = found
+    assert names == [a, b]
+    assert "ranks 0,1 called allreduce float32[3]" in error and "rank 2 called broadcast" in error
+
+
+def test_no_disorder_while_a_rank_waits_on_nothing_ordered_or_a_call_is_common():
+    insp = StallInspector(2, warning_s=60.0, shutdown_s=0.0, order_check_s=1.0)
+    a, b = "torch.w.allreduce.float32[3]#0", "torch.w.allreduce.float32[3]#1"
+    assert insp.disorder({0: [(a, 3.0)], 1: [("mpidp.op", 3.0)]}, []) is None  # a late rank
+    assert insp.disorder({0: [(a, 3.0), (b, 1.0)], 1: [(a, 0.1)]}, []) is None
+    assert insp.disorder({0: [(a, 3.0)], 1: [(b, 3.0)]}, [1]) is None  # rank 1 joined
+
+
+def test_an_ordered_op_raises_the_check_after_order_check_s():
+    insp = StallInspector(2, warning_s=60.0, shutdown_s=0.0, order_check_s=1.0)
+    assert not insp.should_raise(0.5, 0.5)
+    assert insp.should_raise(1.5, 1.5)
+    assert not StallInspector(2, 60.0, 0.0, 0.0).should_raise(1.5, 1.5)
