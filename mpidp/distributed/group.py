@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dtypes import SUPPORTED
-from ..engine.messages import ReduceOp
 from ..errors import MismatchError
 from ..ops import allreduce_ops, gather_ops
 from ..ops.barrier_join import barrier
@@ -14,70 +13,9 @@ from ..ops.collectives import allreduce_
 from ..ops.op_args import BITWISE
 from ..runtime.process_sets import global_process_set, member_of
 from . import p2p
+from . import conversions as conv
 from .naming import CallNames
 from .work import Work
-
-_RedOp = dist.ReduceOp  # its RedOpType members, where torch's stubs declare them
-_OPS = {_RedOp.SUM: ReduceOp.SUM, _RedOp.AVG: ReduceOp.AVERAGE, _RedOp.PRODUCT: ReduceOp.PRODUCT,
-        _RedOp.MIN: ReduceOp.MIN, _RedOp.MAX: ReduceOp.MAX, _RedOp.BAND: ReduceOp.BAND,
-        _RedOp.BOR: ReduceOp.BOR, _RedOp.BXOR: ReduceOp.BXOR}
-_BYTE = torch.uint8
-def _engine_op(red) -> tuple:
-    """(mpidp ReduceOp, prescale factor) of a torch ReduceOp (PREMUL_SUM: Sum after scaling)."""
-    kind = red.op if hasattr(red, "op") else red
-    if kind == _RedOp.PREMUL_SUM:
-        factor = red.factor
-        if isinstance(factor, torch.Tensor):
-            factor = float(factor.item())
-        return ReduceOp.SUM, float(factor)
-    try:
-        return _OPS[kind], 1.0
-    except KeyError:
-        raise ValueError(f"mpidp backend: reduce op {kind} is not supported") from None
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of contiguous `t` (a copy if not contiguous), as bytes if the engine does not
-    know its dtype (complex, unsigned wider than 8 bits, 8-bit floats): moving bytes is exact."""
-    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-    return flat if flat.dtype in SUPPORTED else flat.view(_BYTE)
-
-
-def _reducible(t: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
-    """The tensor the engine reduces for `t`: complex numbers as their real pairs (a sum or an
-    average is the same on both parts); a TypeError for a dtype no reduction is defined on."""
-    if t.is_complex():
-        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise TypeError(f"{what}: {op.name} is not defined for complex tensors; only SUM, "
-                            f"AVG and PREMUL_SUM are")
-        return torch.view_as_real(t)
-    if t.dtype not in SUPPORTED:
-        raise TypeError(f"{what}: the mpidp backend does not reduce {t.dtype} tensors; it "
-                        f"reduces {', '.join(str(d).replace('torch.', '') for d in SUPPORTED)} "
-                        f"and complex")
-    return t
-
-
-def _into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy `src` (bytes or values, flat) into the caller's tensor `dst` unless it is `dst`."""
-    if src.data_ptr() == dst.data_ptr() and src.numel() * src.element_size() == \
-            dst.numel() * dst.element_size():
-        return
-    flat = dst.reshape(-1) if dst.is_contiguous() else None
-    if flat is not None and flat.dtype not in SUPPORTED:
-        flat = flat.view(_BYTE)
-    if flat is not None and flat.data_ptr() == dst.data_ptr():
-        flat.copy_(src.reshape(flat.shape))
-    else:
-        dst.copy_(src.view(dst.dtype).reshape(dst.shape) if src.dtype != dst.dtype
-                  else src.reshape(dst.shape))
-
-
-def _filled(dst: torch.Tensor, src: torch.Tensor, result):
-    """`result`, once `src` is in `dst` (_into): a Work's finish."""
-    _into(dst, src)
-    return result
-
 
 class ProcessGroupMpidp(dist.ProcessGroup):
     """A torch.distributed process group on an mpidp process set: the world's global set, or a
@@ -136,8 +74,8 @@ class ProcessGroupMpidp(dist.ProcessGroup):
     def _allreduce_one(self, t: torch.Tensor, red, blocking: bool):
         """Submit the allreduce of `t` in place (None if it ran at once, blocking); returns
         (handle or None, finish)."""
-        op, pre = _engine_op(red)
-        wire = _reducible(t, op, "all_reduce")
+        op, pre = conv.engine_op(red)
+        wire = conv.reducible(t, op, "all_reduce")
         work_t = wire if wire.is_contiguous() else wire.contiguous()
 
         def finish():
@@ -155,7 +93,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
         if not opts.asyncOp and len(tensors) == 1:  # the blocking call's short way
-            t, op = tensors[0], _OPS.get(opts.reduceOp.op)
+            t, op = tensors[0], conv.OPS.get(opts.reduceOp.op)
             if op is not None and t.is_cpu and t.dtype in SUPPORTED and t.is_contiguous() \
                     and op not in BITWISE:
                 self._blocking_allreduce(t, self._names.next("allreduce", (t,)), op)
@@ -169,8 +107,8 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        op, pre = _engine_op(opts.reduceOp)
-        wires = [_reducible(t, op, "all_reduce_coalesced") for t in tensors]
+        op, pre = conv.engine_op(opts.reduceOp)
+        wires = [conv.reducible(t, op, "all_reduce_coalesced") for t in tensors]
         work = [w if w.is_contiguous() else w.contiguous() for w in wires]
         name = self._names.next("allreduce_coalesced", work)
         hid = allreduce_ops.grouped_allreduce_async_(work, name=name, op=op, prescale_factor=pre,
@@ -194,9 +132,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         return self._work([hid], lambda _: (finish(), tensors)[1])
 
     def _reduce_scatter_one(self, output: torch.Tensor, rows: torch.Tensor, red, kind: str):
-        op, pre = _engine_op(red)
-        rows = _reducible(rows, op, kind)
-        out = _reducible(output, op, kind)
+        op, pre = conv.engine_op(red)
+        rows = conv.reducible(rows, op, kind)
+        out = conv.reducible(output, op, kind)
         size = self.size()
         src = (rows if rows.is_contiguous() else rows.contiguous()).reshape(size, -1)
         if pre != 1.0:
@@ -243,16 +181,17 @@ class ProcessGroupMpidp(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
         t = tensors[0]
-        wire = _flat(t)
+        wire = conv.flat(t)
         name = self._names.next("broadcast", [wire])
         hid = gather_ops.broadcast_async_(wire, opts.rootRank, name=name, process_set=self._ps)
-        return self._work([self._names.submitted(name, hid)], lambda _: _filled(t, wire, tensors))
+        return self._work([self._names.submitted(name, hid)],
+                          lambda _: conv.filled(t, wire, tensors))
 
     def _allgather_one(self, output: torch.Tensor, input: torch.Tensor, kind: str):
-        src = _flat(input).reshape(1, -1)
+        src = conv.flat(input).reshape(1, -1)
         size = self.size()
         if output.is_contiguous() and output.numel() == size * input.numel():
-            dst = _flat(output).reshape(size, -1)
+            dst = conv.flat(output).reshape(size, -1)
         else:
             dst = torch.empty((size, src.shape[1]), dtype=src.dtype, device=src.device)
         name = self._names.next(kind, [src])
@@ -261,7 +200,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         hid, dst = self._allgather_one(output, input, "allgather")
-        return self._work([hid], lambda _: _filled(output, dst, [output]))
+        return self._work([hid], lambda _: conv.filled(output, dst, [output]))
 
     all_gather_single = _allgather_base
 
@@ -271,7 +210,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         def finish(_):
             for outs, (_, dst) in zip(output_tensors, jobs):
                 for i, o in enumerate(outs):
-                    _into(o, dst[i])
+                    conv.copy_into(o, dst[i])
             return [o for outs in output_tensors for o in outs]
         return self._work([h for h, _ in jobs], finish)
 
@@ -280,7 +219,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
         def finish(_):
             for o, (_, dst) in zip(outputs, jobs):
-                _into(o, dst)
+                conv.copy_into(o, dst)
             return list(outputs)
         return self._work([h for h, _ in jobs], finish)
 
@@ -304,36 +243,36 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                                  f"{size} ranks; pass input_split_sizes")
             input_split_sizes = [rows // size] * size
         row = input.numel() // max(rows, 1)
-        send = _flat(input)
+        send = conv.flat(input)
         scale = send.numel() // max(input.numel(), 1) if input.numel() else 1
         splits = [s * row * scale for s in input_split_sizes]
         hid = self._alltoall_flat(send, splits, "alltoall")
 
         def finish(results):
             received, _ = results[0]
-            _into(output, received)
+            conv.copy_into(output, received)
             return [output]
         return self._work([hid], finish)
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        flats = [_flat(t) for t in input_tensors]
-        send = torch.cat(flats) if flats else torch.empty(0, dtype=_BYTE)
+        flats = [conv.flat(t) for t in input_tensors]
+        send = torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)
         hid = self._alltoall_flat(send, [f.numel() for f in flats], "alltoall")
 
         def finish(results):
             received, counts = results[0]
             offset = 0
             for o, n in zip(output_tensors, counts.tolist()):
-                _into(o, received[offset:offset + n])
+                conv.copy_into(o, received[offset:offset + n])
                 offset += n
             return list(output_tensors)
         return self._work([hid], finish)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
-        send = _flat(input_tensors[0])
+        send = conv.flat(input_tensors[0])
         splits = [0] * self.size()
         splits[opts.rootRank] = send.numel()
         hid = self._alltoall_flat(send, splits, "gather")
@@ -343,7 +282,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             if self.rank() == opts.rootRank:
                 offset = 0
                 for o, n in zip(output_tensors[0], counts.tolist()):
-                    _into(o, received[offset:offset + n])
+                    conv.copy_into(o, received[offset:offset + n])
                     offset += n
             return [o for outs in output_tensors for o in outs]
         return self._work([hid], finish)
@@ -352,14 +291,14 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ScatterOptions()
         out = output_tensors[0]
         if self.rank() == opts.rootRank:
-            flats = [_flat(t) for t in input_tensors[0]]
+            flats = [conv.flat(t) for t in input_tensors[0]]
             send, splits = torch.cat(flats), [f.numel() for f in flats]
         else:
-            send, splits = _flat(out)[:0], [0] * self.size()
+            send, splits = conv.flat(out)[:0], [0] * self.size()
         hid = self._alltoall_flat(send, splits, "scatter")
 
         def finish(results):
-            _into(out, results[0][0])
+            conv.copy_into(out, results[0][0])
             return [out]
         return self._work([hid], finish)
 
