@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATRIX = ["test_allreduce.py", "test_other_collectives.py", "test_optimizer.py",
           "test_sync_batch_norm.py", "test_join_barrier.py", "test_process_sets.py",
-          "test_checkpoint.py", "test_cuda_streams.py"]
+          "test_checkpoint.py", "test_cuda_streams.py", "test_torch_distributed.py"]
 QUICK_MATRIX = ["test_allreduce.py"]
 FACTS = r"""
 import json, torch, torch.distributed as dist

@@ -10,6 +10,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import mpidp
 import mpidp.distributed
+from devices import DEVICE_PARAMS, use_device
 from mpi_util import assert_all, raises_all, rank, size, tensor_diff
 
 R = dist.ReduceOp
@@ -356,3 +357,44 @@ def test_ranks_that_call_differently_get_a_mismatch_error_and_go_on(blocking):
     dist.all_reduce(u)
     check([("after the mismatches", t, torch.full((3,), float(size()))),
            ("and again", u, torch.full((4,), float(size())))])
+
+
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+def test_collectives_on_the_device(device):
+    """The calls DDP and FSDP2 make, on `device` tensors (make gpu-check runs the cuda case:
+    CUDA-aware MPI, NCCL or host staging, per MPIDP_BACKEND); results stay on the device."""
+    dev = use_device(device)
+    n, r = size(), rank()
+    t = values(torch.float32).to(dev)
+    dist.all_reduce(t)
+    w = dist.all_reduce(values(torch.bfloat16).to(dev), op=R.MAX, async_op=True)
+    got_max = w.get_future().wait()[0]
+    b = values(torch.int64).to(dev)
+    dist.broadcast(b, src=n - 1)
+    into = torch.empty(2 * n, 3, device=dev)
+    dist.all_gather_into_tensor(into, values(torch.float32).to(dev))
+    rs = torch.empty(2, 2, device=dev)
+    dist.reduce_scatter_tensor(rs, torch.arange(4.0 * n, device=dev).reshape(2 * n, 2))
+    a2a = torch.empty(n, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(a2a, (torch.arange(n) + 10 * r).to(dev))
+    ring = torch.empty(2, device=dev)
+    if n > 1:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((2,), float(r),
+                                                                          device=dev),
+                                                   (r + 1) % n),
+                                        dist.P2POp(dist.irecv, ring, (r - 1) % n)])
+        for work in works:
+            work.wait()
+    else:
+        ring.fill_(0.0)
+    results = [t, got_max, b, into, rs, a2a, ring]
+    assert_all(all(x.device == dev for x in results),
+               f"results on {[str(x.device) for x in results]}, not {dev}")
+    check([("all_reduce", t.cpu(), sum(every(torch.float32))),
+           ("max bf16", got_max.cpu(), torch.stack(every(torch.bfloat16)).max(0).values),
+           ("broadcast", b.cpu(), _at(n - 1, torch.int64, 0)),
+           ("all_gather", into.cpu(), torch.cat(every(torch.float32))),
+           ("reduce_scatter", rs.cpu(), n * torch.arange(4.0 * n).reshape(n, 2, 2)[r]),
+           ("all_to_all", a2a.cpu(), torch.tensor([10 * i + r for i in range(n)])),
+           ("ring", ring.cpu(), torch.full((2,), float((r - 1) % n)) if n > 1
+            else torch.zeros(2))])
