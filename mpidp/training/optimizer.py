@@ -89,6 +89,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._in_backward = self.completes_in_backward and \
             world.state().config.reduce_in_backward
         self._hooks: list = []
+        self._hook_id: Dict[torch.Tensor, int] = {}  # each trained parameter's hook handle id
         self._guards = pass_guard.Guards([], self._before_accumulation)
         self._layout()
         self._overlap = overlap.decide(world.state(), self._trained)
@@ -144,6 +145,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook))
                        for p in trained]
+        self._hook_id = {p: h.id for p, h in zip(trained, self._hooks)}
         self._guards.reset(trained)
 
     @property
@@ -224,8 +226,16 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         if count > step.passes_per_step or bucket.submitted:
             raise self._too_many_passes(p)
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and self._overlap:
+        if bucket.ready == len(bucket.params) and self._overlap and not self._hooked_after(p):
             self._submit(bucket)
+
+    def _hooked_after(self, p) -> bool:
+        """Whether p has a post-accumulate-grad hook registered after this optimizer's, which
+        runs once this one returns and may still change p.grad: its bucket then waits for the
+        end of backward (or step()) instead of leaving now. The bucket's other parameters'
+        later hooks ran already (each runs right after this optimizer's, on that parameter)."""
+        hooks = p._post_accumulate_grad_hooks  # torch's own ordered table of them
+        return bool(hooks) and next(reversed(hooks)) != self._hook_id.get(p)
 
     def _grad_of(self, p) -> torch.Tensor:
         if p.grad is None:

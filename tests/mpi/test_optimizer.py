@@ -1015,3 +1015,37 @@ def test_a_dropped_optimizer_is_freed_and_its_hooks_do_nothing(kind):
     model.zero_grad()
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()  # no hook may act, or fail
     assert_all(freed, f"{kind} outlived the script's last reference")
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_a_post_accumulate_hook_registered_after_wrapping_runs_before_the_reduction(overlap):
+    """A user hook registered after DistributedOptimizer wrapped the model runs after its hook:
+    the parameter's bucket then waits for the end of backward, so the reduction sees what the
+    user's hook made of the gradient (here: doubled)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                     named_parameters=model.named_parameters())
+    opt._overlap = overlap
+    def double(t):
+        time.sleep(0.1)  # long enough for the engine to reduce a bucket that left too early
+        t.grad.mul_(2.0)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(double)
+    x = torch.full((3, 4), float(mpidp.rank() + 1))
+    model(x).sum().backward()
+    opt.synchronize()
+    torch.manual_seed(0)  # the same initial weights, without the hooks a deep copy would bring
+    local = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ranks = [torch.full((3, 4), float(r + 1)) for r in range(mpidp.size())]
+    grads = []
+    for xr in ranks:
+        local.zero_grad()
+        local(xr).sum().backward()
+        grads.append([2.0 * p.grad for p in local.parameters()])
+    expected = [sum(g[i] for g in grads) / mpidp.size() for i in range(len(grads[0]))]
+    worst = max((p.grad - e).abs().max().item() for p, e in zip(model.parameters(), expected))
+    with opt.skip_synchronize():
+        opt.step()
+    assert_all(worst < 1e-5, f"gradients differ from the doubled average by {worst}")

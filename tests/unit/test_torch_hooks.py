@@ -45,3 +45,11 @@ def test_import_registers_mpidp_and_mpi_resolves_to_it():
     if not mpidp.distributed.torch_has_mpi():
         assert dist.Backend("mpidp") == dist.Backend.MPI and dist.is_mpi_available()
         assert c10d.ProcessGroupMPI.create is not None
+
+
+def test_post_accumulate_grad_hooks_are_an_ordered_table_of_handle_ids():
+    """DistributedOptimizer reads it to find hooks registered after its own (training/optimizer)."""
+    p = torch.nn.Parameter(torch.ones(1))
+    first = p.register_post_accumulate_grad_hook(lambda t: None)
+    second = p.register_post_accumulate_grad_hook(lambda t: None)
+    assert list(p._post_accumulate_grad_hooks) == [first.id, second.id]
