@@ -13,8 +13,9 @@ that a local LR schedule applies to the joined ranks' shards too) or "skip" (the
 inf). A round in which every flag is 1 ends the serving on every rank at once; join() then completes
 as without it. With nobody joined nothing is announced: the flag is the whole cost.
 
-The optimizer served is the one created or stepped last on the rank: with several stepped in
-turn (a GAN's), the others' steps fail on the training ranks with the engine's join error.
+join() serves one ShardedOptimizer: with several alive on a rank at once (a GAN's generator and
+discriminator stepped in turn) it refuses on the joining rank, naming them, rather than serve one
+and leave the training ranks waiting in the others' steps.
 """
 
 import weakref
@@ -48,6 +49,7 @@ class Rounds:
         self.serving = False     # this rank is joined and runs rounds inside join()
         self.ref, self.registry = weakref.ref(opt), _registry()
         self.registry.latest = self.ref
+        self.registry.alive.add(opt)
 
     def submit(self) -> None:
         """Start this round's flag allreduce unless it is in flight (no synchronization)."""
@@ -157,10 +159,21 @@ class _Registry:
 
     def __init__(self):
         self.latest = None  # a weak reference to the optimizer created or stepped last
+        # Held weakly: an optimizer the script has dropped is gone (its hooks hold it weakly,
+        # pass_guard.weak), and serving it would wait for peers that left it behind.
+        self.alive: "weakref.WeakSet" = weakref.WeakSet()
 
     def __call__(self):
-        # A weak reference: the optimizer the script has dropped is gone (its hooks hold it
-        # weakly, pass_guard.weak), and serving it would wait for peers that left it behind.
+        """The server join() runs on this rank, or None; MpidpError if there are several
+        ShardedOptimizers to serve (join() can follow one optimizer's steps)."""
+        alive = [o for o in self.alive if o.is_sharded]
+        if len(alive) > 1:
+            raise MpidpError(
+                f"join(): {len(alive)} ShardedOptimizers are alive on rank {world.rank()}, and "
+                f"join() can keep stepping the shards of one only: the training ranks would "
+                f"wait in the others' steps. Use join() with a single ShardedOptimizer (drop "
+                f"the others first, or give every rank the same number of batches and skip "
+                f"join()), or use DistributedOptimizer for the other models")
         opt = self.latest() if self.latest is not None else None
         return _Server(opt) if opt is not None and opt.is_sharded else None
 
