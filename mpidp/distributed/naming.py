@@ -29,17 +29,20 @@ class CallNames:
         """The next `kind` call's name. `shaped=False` for calls whose tensors may differ in
         shape between ranks (all-to-all, gather, scatter). May wait for the call that last
         had the name, if it is still in flight. Synchronization: that call's, if so."""
-        parts = tuple((t.dtype, t.shape if shaped else ()) for t in tensors)
-        sig = (kind,) + parts
+        if len(tensors) == 1:  # most calls: a key without a tuple per tensor
+            t = tensors[0]
+            sig: tuple = (kind, t.dtype, t.shape if shaped else ())
+        else:
+            sig = (kind,) + tuple((t.dtype, t.shape if shaped else ()) for t in tensors)
         with self._lock:
             names = self._names.get(sig)
             if names is None:
-                text = ";".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s in parts)
-                names = self._names[sig] = [f"torch.{self._tag}.{kind}.{text}#{k}"
-                                            for k in range(NAMES_PER_SIGNATURE)]
+                names = self._names[sig] = self._made(kind, tensors, shaped)
             n = self._counts.get(sig, 0)
             self._counts[sig] = n + 1
         name = names[n % NAMES_PER_SIGNATURE]
+        if not self._inflight:
+            return name
         pending = self._inflight.pop(name, None)
         if pending is not None:
             # Every rank submitted that call before this one, so it completes.
@@ -49,6 +52,11 @@ class CallNames:
             except ValueError:
                 pass  # its work synchronized it meanwhile: the handle is spent
         return name
+
+    def _made(self, kind: str, tensors: Sequence, shaped: bool) -> List[str]:
+        text = ";".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape) if shaped else []}"
+                        for t in tensors)
+        return [f"torch.{self._tag}.{kind}.{text}#{k}" for k in range(NAMES_PER_SIGNATURE)]
 
     def failed(self, error: BaseException) -> None:
         """A call failed with `error`: after a MismatchError (the ranks disagreed, so their
