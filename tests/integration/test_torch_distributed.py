@@ -56,3 +56,10 @@ def test_fsdp2_matches_one_process(n):
                       rf"on {n} rank\(s\)", res.stdout)
     assert float(m[0]) <= 1e-5 and float(m[1]) > 1e-2, res.stdout
 
+
+def test_lightning_example():
+    res = run(2, EXAMPLES / "lightning_ddp.py", "--epochs", 2, timeout=LAUNCH_S)
+    _trained(res, "lightning_ddp", 2)
+    assert "distributed_backend=mpidp" in res.output, res.output
+    assert "`Trainer.fit` stopped: `max_epochs=2` reached." in res.output, res.output
+
