@@ -63,3 +63,8 @@ def test_lightning_example():
     assert "distributed_backend=mpidp" in res.output, res.output
     assert "`Trainer.fit` stopped: `max_epochs=2` reached." in res.output, res.output
 
+
+def test_accelerate_example():
+    # Accelerate finds the world in hydra's PMI_* variables and picks "mpi", mpidp's.
+    _trained(run(2, EXAMPLES / "accelerate_train.py", "--epochs", 2, timeout=LAUNCH_S),
+             "accelerate (MULTI_CPU, backend mpi)", 2)
