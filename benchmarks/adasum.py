@@ -50,8 +50,9 @@ def buckets(tensors, bucket_bytes: int):
 
 
 def reduce_all(groups, op, prefix):
-    handles = [mpidp.grouped_allreduce_async_(g, name=f"{prefix}.{i}", op=op)
-               for i, g in enumerate(groups)]
+    handles = [
+        mpidp.grouped_allreduce_async_(g, name=f"{prefix}.{i}", op=op) for i, g in enumerate(groups)
+    ]
     for h in handles:
         mpidp.synchronize(h)
 
@@ -87,40 +88,56 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="bucket size in MiB, as MPIDP_BUCKET_BYTES (0: the whole set at once)")
-    ap.add_argument("--fraction", type=float, default=1.0,
-                    help="scale every tensor's element count (a quick check: 0.01)")
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="bucket size in MiB, as MPIDP_BUCKET_BYTES (0: the whole set at once)",
+    )
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="scale every tensor's element count (a quick check: 0.01)",
+    )
     args = ap.parse_args()
     mpidp.init()
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
-    tensors = [torch.zeros(max(1, int(math.prod(s) * args.fraction)))
-               for s in reversed(RESNET18_SHAPES)]
+    tensors = [
+        torch.zeros(max(1, int(math.prod(s) * args.fraction))) for s in reversed(RESNET18_SHAPES)
+    ]
     groups = buckets(tensors, int(args.bucket_mb * MB))
     total = sum(t.numel() for t in tensors)
     if rank == 0:
-        print(f"# {size} ranks, {len(tensors)} tensors, {total:,} float32 "
-              f"({total * 4 / MB:.1f} MiB) in {len(groups)} op(s); data path "
-              f"{mpidp.runtime.world.state().engine.backend.names}", flush=True)
+        print(
+            f"# {size} ranks, {len(tensors)} tensors, {total:,} float32 "
+            f"({total * 4 / MB:.1f} MiB) in {len(groups)} op(s); data path "
+            f"{mpidp.runtime.world.state().engine.backend.names}",
+            flush=True,
+        )
     check(comm, tensors, groups)
-    calls = {"average": lambda: reduce_all(groups, mpidp.Average, "adasum_bench.avg"),
-             "adasum": lambda: reduce_all(groups, mpidp.Adasum, "adasum_bench.adasum")}
+    calls = {
+        "average": lambda: reduce_all(groups, mpidp.Average, "adasum_bench.avg"),
+        "adasum": lambda: reduce_all(groups, mpidp.Adasum, "adasum_bench.adasum"),
+    }
     names = list(calls)
     for _ in range(args.warmup):
         for name in names:
             calls[name]()
     samples = {name: [] for name in names}
     for r in range(args.rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             samples[name].append(timed(comm, calls[name]))
         for t in tensors:  # Average keeps values as they are, Adasum may grow them: reset
             t.fill_(0.5)
     med = {name: statistics.median(v) for name, v in samples.items()}
     if rank == 0:
         for name in names:
-            print(f"{name:>8}: {med[name] * 1e3:9.2f} ms median of {args.rounds} "
-                  f"(min {min(samples[name]) * 1e3:.2f}, max {max(samples[name]) * 1e3:.2f})")
+            print(
+                f"{name:>8}: {med[name] * 1e3:9.2f} ms median of {args.rounds} "
+                f"(min {min(samples[name]) * 1e3:.2f}, max {max(samples[name]) * 1e3:.2f})"
+            )
         print(f"ratio adasum / average: {med['adasum'] / med['average']:.2f}x", flush=True)
     comm.Free()
     mpidp.shutdown()

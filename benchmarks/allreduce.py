@@ -38,14 +38,14 @@ import statistics
 import sys
 import time
 
-from mpi4py import MPI
 import numpy as np
 import torch
+from mpi4py import MPI
 
 import mpidp
 
 MB = 1024 * 1024
-CHUNK_BYTES = 4 * MB          # raw chunked strategies
+CHUNK_BYTES = 4 * MB  # raw chunked strategies
 HYBRID_FUSE_BELOW = 64 * 1024  # raw_hybrid: smaller tensors are fused
 
 # ResNet-18 (torchvision) parameters in model.parameters() order: 62 tensors, 11,689,512 floats.
@@ -60,12 +60,17 @@ def _basic_block(cin, cout, downsample):
 
 
 RESNET18_SHAPES = (
-    [(64, 3, 7, 7)] + _BN(64)                                               # conv1, bn1
-    + _basic_block(64, 64, False) + _basic_block(64, 64, False)             # layer1
-    + _basic_block(64, 128, True) + _basic_block(128, 128, False)           # layer2
-    + _basic_block(128, 256, True) + _basic_block(256, 256, False)          # layer3
-    + _basic_block(256, 512, True) + _basic_block(512, 512, False)          # layer4
-    + [(1000, 512), (1000,)]                                                # fc
+    [(64, 3, 7, 7)]
+    + _BN(64)  # conv1, bn1
+    + _basic_block(64, 64, False)
+    + _basic_block(64, 64, False)  # layer1
+    + _basic_block(64, 128, True)
+    + _basic_block(128, 128, False)  # layer2
+    + _basic_block(128, 256, True)
+    + _basic_block(256, 256, False)  # layer3
+    + _basic_block(256, 512, True)
+    + _basic_block(512, 512, False)  # layer4
+    + [(1000, 512), (1000,)]  # fc
 )
 assert len(RESNET18_SHAPES) == 62
 assert sum(math.prod(s) for s in RESNET18_SHAPES) == 11_689_512
@@ -93,6 +98,7 @@ def fmt_time(s: float) -> str:
 
 
 # ---- raw strategies ----
+
 
 class Raw:
     """Raw mpi4py strategies on a list of float32 tensors, on the benchmark's own communicator."""
@@ -122,7 +128,7 @@ class Raw:
             self.comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
             return
         for lo in range(0, arr.size, step):
-            self.comm.Allreduce(MPI.IN_PLACE, arr[lo:lo + step], op=MPI.SUM)
+            self.comm.Allreduce(MPI.IN_PLACE, arr[lo : lo + step], op=MPI.SUM)
 
     def per_tensor(self):
         for a in self.arrays:
@@ -152,8 +158,9 @@ class Raw:
 
 
 def mpidp_run(tensors, prefix, op):
-    handles = [mpidp.allreduce_async_(t, name=f"{prefix}.{i}", op=op)
-               for i, t in enumerate(tensors)]
+    handles = [
+        mpidp.allreduce_async_(t, name=f"{prefix}.{i}", op=op) for i, t in enumerate(tensors)
+    ]
     for h in handles:
         mpidp.synchronize(h)
 
@@ -178,12 +185,14 @@ class BucketOp:
             self.request, self.cache_key = entry.request, entry.cache_key
         else:
             with mpidp.ops.blocking():  # as the optimizer's step() submits what it waits for
-                handle = mpidp.ops.bucket_allreduce_async_(self.request, self.tensors, None,
-                                                           self.cache_key)
+                handle = mpidp.ops.bucket_allreduce_async_(
+                    self.request, self.tensors, None, self.cache_key
+                )
         mpidp.synchronize(handle)
 
 
 # ---- measurement ----
+
 
 def timed(comm, fn, reps: int) -> float:
     """Seconds per call of fn (reps calls after a barrier), the largest over the ranks."""
@@ -204,8 +213,7 @@ def check(comm, tensors, fn, what):
     want = size * (size + 1) / 2
     bad = [i for i, t in enumerate(tensors) if not bool((t == want).all())]
     if bad:
-        raise AssertionError(f"{what}: wrong result in tensors {bad[:5]} on rank "
-                             f"{comm.Get_rank()}")
+        raise AssertionError(f"{what}: wrong result in tensors {bad[:5]} on rank {comm.Get_rank()}")
     for t in tensors:
         t.zero_()
 
@@ -238,24 +246,36 @@ def case_contenders(comm, tensors, prefix, op):
     raw = Raw(comm, tensors)
     run_mpidp = lambda: mpidp_run(tensors, prefix, op)  # noqa: E731
     if len(tensors) == 1:
-        return [("mpidp", run_mpidp), ("raw_per_tensor", raw.per_tensor),
-                ("raw_chunk_4M", raw.chunked_per_tensor)]
+        return [
+            ("mpidp", run_mpidp),
+            ("raw_per_tensor", raw.per_tensor),
+            ("raw_chunk_4M", raw.chunked_per_tensor),
+        ]
     run_grouped = lambda: mpidp_grouped(tensors, prefix, op)  # noqa: E731
-    return [("mpidp", run_mpidp), ("mpidp_grouped", run_grouped),
-            ("mpidp_bucket", BucketOp(tensors, prefix, op)),
-            ("raw_per_tensor", raw.per_tensor), ("raw_fused", raw.fused),
-            ("raw_fused_4M", raw.fused_chunked), ("raw_hybrid", raw.hybrid)]
+    return [
+        ("mpidp", run_mpidp),
+        ("mpidp_grouped", run_grouped),
+        ("mpidp_bucket", BucketOp(tensors, prefix, op)),
+        ("raw_per_tensor", raw.per_tensor),
+        ("raw_fused", raw.fused),
+        ("raw_fused_4M", raw.fused_chunked),
+        ("raw_hybrid", raw.hybrid),
+    ]
 
 
 def summarize(samples):
     med = {label: statistics.median(v) for label, v in samples.items()}
     raws = {k: v for k, v in med.items() if k.startswith("raw")}
     best = min(raws, key=raws.get)
-    out = {"median_s": med, "best_raw": best, "ratio": med["mpidp"] / raws[best],
-           "samples_s": samples}
+    out = {
+        "median_s": med,
+        "best_raw": best,
+        "ratio": med["mpidp"] / raws[best],
+        "samples_s": samples,
+    }
     for label in ("mpidp_grouped", "mpidp_bucket"):
         if label in med:
-            out["ratio_" + label[len("mpidp_"):]] = med[label] / raws[best]
+            out["ratio_" + label[len("mpidp_") :]] = med[label] / raws[best]
     return out
 
 
@@ -305,9 +325,14 @@ def bench_wake(comm, trials, idle_s=0.2):
         else:
             comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
         out[which].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return {"median": statistics.median(out["mpidp"]), "max": max(out["mpidp"]),
-            "raw_median": statistics.median(out["raw"]), "raw_max": max(out["raw"]),
-            "samples": out["mpidp"], "raw_samples": out["raw"]}
+    return {
+        "median": statistics.median(out["mpidp"]),
+        "max": max(out["mpidp"]),
+        "raw_median": statistics.median(out["raw"]),
+        "raw_max": max(out["raw"]),
+        "samples": out["mpidp"],
+        "raw_samples": out["raw"],
+    }
 
 
 def cpu_seconds() -> float:
@@ -326,23 +351,34 @@ def idle_cpu(comm, seconds):
 
 # ---- main ----
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--sizes", default=DEFAULT_SIZES,
-                    help="single-tensor sizes in bytes, comma separated (K, M suffixes); "
-                         "'' for none")
+    ap.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help="single-tensor sizes in bytes, comma separated (K, M suffixes); '' for none",
+    )
     ap.add_argument("--skip-resnet", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-idle", action="store_true")
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--latency-iters", type=int, default=2000)
-    ap.add_argument("--wake-trials", type=int, default=10,
-                    help="after the idle measurement: blocking 4 B allreduces, each after "
-                         "0.2 s of idling (the latency waking an idle engine adds)")
-    ap.add_argument("--op", choices=("sum", "average"), default="sum",
-                    help="mpidp reduce op (Average adds one scaling pass over the data)")
+    ap.add_argument(
+        "--wake-trials",
+        type=int,
+        default=10,
+        help="after the idle measurement: blocking 4 B allreduces, each after "
+        "0.2 s of idling (the latency waking an idle engine adds)",
+    )
+    ap.add_argument(
+        "--op",
+        choices=("sum", "average"),
+        default="sum",
+        help="mpidp reduce op (Average adds one scaling pass over the data)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     ap.add_argument("--json", help="write every sample and median here (rank 0)")
     args = ap.parse_args()
@@ -353,21 +389,25 @@ def main():
     rank, size = comm.Get_rank(), comm.Get_size()
     op = mpidp.Sum if args.op == "sum" else mpidp.Average
 
-    result = {"np": size, "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "env": {k: v for k, v in os.environ.items() if k.startswith("MPIDP_")},
-              "cases": {}}
+    result = {
+        "np": size,
+        "argv": sys.argv[1:],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("MPIDP_")},
+        "cases": {},
+    }
 
     if not args.skip_idle:
         base = idle_cpu(comm, args.idle_seconds)  # before init(): MPI + torch alone
 
     mpidp.init()
-    result["config"] = {k: v for k, v in vars(mpidp.runtime.world.state().config).items()
-                        if k != "explicit"}
+    result["config"] = {
+        k: v for k, v in vars(mpidp.runtime.world.state().config).items() if k != "explicit"
+    }
 
     cases = []
     if not args.skip_resnet:
-        cases.append(("resnet18", [torch.zeros(s, dtype=torch.float32)
-                                   for s in RESNET18_SHAPES]))
+        cases.append(("resnet18", [torch.zeros(s, dtype=torch.float32) for s in RESNET18_SHAPES]))
     for text in filter(None, args.sizes.split(",")):
         nbytes = parse_size(text)
         cases.append((fmt_bytes(nbytes), [torch.zeros(max(1, nbytes // 4), dtype=torch.float32)]))
@@ -392,10 +432,12 @@ def main():
         per_rank = comm.gather((base, busy), root=0)
         wake = bench_wake(comm, args.wake_trials) if args.wake_trials else None
         if rank == 0:
-            result["idle"] = {"baseline_core_frac": [b for b, _ in per_rank],
-                              "mpidp_core_frac": [m for _, m in per_rank],
-                              "engine_core_frac": [m - b for b, m in per_rank],
-                              "seconds": args.idle_seconds}
+            result["idle"] = {
+                "baseline_core_frac": [b for b, _ in per_rank],
+                "mpidp_core_frac": [m for _, m in per_rank],
+                "engine_core_frac": [m - b for b, m in per_rank],
+                "seconds": args.idle_seconds,
+            }
             if wake:
                 result["wake4"] = wake
 
@@ -409,17 +451,41 @@ def main():
 
 
 def report(res):
-    print(f"# mpidp allreduce benchmark, np={res['np']}, {res['date']}, "
-          f"args {' '.join(res['argv']) or '(defaults)'}")
+    print(
+        f"# mpidp allreduce benchmark, np={res['np']}, {res['date']}, "
+        f"args {' '.join(res['argv']) or '(defaults)'}"
+    )
     cfg = res.get("config", {})
-    print("# knobs: " + ", ".join(f"{k}={v}" for k, v in cfg.items()
-                                  if k in ("fusion_threshold_bytes", "fuse_below_bytes",
-                                           "chunk_bytes", "cycle_time_ms",
-                                           "bucket_bytes")))
-    labels = ["mpidp", "mpidp_grouped", "mpidp_bucket", "raw_per_tensor", "raw_fused",
-              "raw_fused_4M", "raw_hybrid", "raw_chunk_4M"]
-    head = f"{'case':>10} " + " ".join(f"{lab:>14}" for lab in labels) + \
-           f" {'best raw':>14} {'mpidp/best':>10}"
+    print(
+        "# knobs: "
+        + ", ".join(
+            f"{k}={v}"
+            for k, v in cfg.items()
+            if k
+            in (
+                "fusion_threshold_bytes",
+                "fuse_below_bytes",
+                "chunk_bytes",
+                "cycle_time_ms",
+                "bucket_bytes",
+            )
+        )
+    )
+    labels = [
+        "mpidp",
+        "mpidp_grouped",
+        "mpidp_bucket",
+        "raw_per_tensor",
+        "raw_fused",
+        "raw_fused_4M",
+        "raw_hybrid",
+        "raw_chunk_4M",
+    ]
+    head = (
+        f"{'case':>10} "
+        + " ".join(f"{lab:>14}" for lab in labels)
+        + f" {'best raw':>14} {'mpidp/best':>10}"
+    )
     print(head)
     for name, c in res["cases"].items():
         med = c["median_s"]
@@ -428,32 +494,46 @@ def report(res):
     if "resnet18" in res["cases"]:
         c = res["cases"]["resnet18"]
         r = c.get("ratio_bucket", float("nan"))
-        print(f"ResNet-18 set: per-tensor ops {c['ratio']:.2f} x best raw, one grouped call "
-              f"{c.get('ratio_grouped', float('nan')):.2f} x, one bucket op as the optimizer "
-              f"submits it {r:.2f} x; goal (bucket op) <= 1.05 x best raw: "
-              f"{'MET' if r <= 1.05 else 'NOT MET'}")
+        print(
+            f"ResNet-18 set: per-tensor ops {c['ratio']:.2f} x best raw, one grouped call "
+            f"{c.get('ratio_grouped', float('nan')):.2f} x, one bucket op as the optimizer "
+            f"submits it {r:.2f} x; goal (bucket op) <= 1.05 x best raw: "
+            f"{'MET' if r <= 1.05 else 'NOT MET'}"
+        )
     if "latency4" in res:
         lat = res["latency4"]
-        print(f"blocking 4 B allreduce: mpidp median {fmt_time(lat['mpidp'])} "
-              f"(p90 {fmt_time(lat['mpidp_p90'])}), raw {fmt_time(lat['raw'])} "
-              f"(p90 {fmt_time(lat['raw_p90'])}); goal <= 50 us: "
-              f"{'MET' if lat['mpidp'] <= 50e-6 else 'NOT MET'}")
+        print(
+            f"blocking 4 B allreduce: mpidp median {fmt_time(lat['mpidp'])} "
+            f"(p90 {fmt_time(lat['mpidp_p90'])}), raw {fmt_time(lat['raw'])} "
+            f"(p90 {fmt_time(lat['raw_p90'])}); goal <= 50 us: "
+            f"{'MET' if lat['mpidp'] <= 50e-6 else 'NOT MET'}"
+        )
     if "idle" in res:
         idle = res["idle"]
         worst = max(idle["engine_core_frac"])
-        print(f"idle engine over {idle['seconds']:g} s: "
-              + ", ".join(f"rank {i} {100 * e:.2f} % (process {100 * m:.2f} %, baseline "
-                          f"{100 * b:.2f} %)" for i, (e, m, b) in
-                          enumerate(zip(idle["engine_core_frac"], idle["mpidp_core_frac"],
-                                        idle["baseline_core_frac"])))
-              + f"; goal < 0.2 %: {'MET' if worst < 0.002 else 'NOT MET'}")
+        print(
+            f"idle engine over {idle['seconds']:g} s: "
+            + ", ".join(
+                f"rank {i} {100 * e:.2f} % (process {100 * m:.2f} %, baseline {100 * b:.2f} %)"
+                for i, (e, m, b) in enumerate(
+                    zip(
+                        idle["engine_core_frac"],
+                        idle["mpidp_core_frac"],
+                        idle["baseline_core_frac"],
+                    )
+                )
+            )
+            + f"; goal < 0.2 %: {'MET' if worst < 0.002 else 'NOT MET'}"
+        )
     if "wake4" in res:
         w = res["wake4"]
-        print(f"blocking 4 B allreduce after 0.2 s idle: median {fmt_time(w['median'])}, "
-              f"max {fmt_time(w['max'])} over {len(w['samples'])} trials; raw the same way: "
-              f"median {fmt_time(w['raw_median'])}, max {fmt_time(w['raw_max'])}; goal <= 2 x "
-              f"raw: {w['median'] / w['raw_median']:.2f} x "
-              f"{'MET' if w['median'] <= 2 * w['raw_median'] else 'NOT MET'}")
+        print(
+            f"blocking 4 B allreduce after 0.2 s idle: median {fmt_time(w['median'])}, "
+            f"max {fmt_time(w['max'])} over {len(w['samples'])} trials; raw the same way: "
+            f"median {fmt_time(w['raw_median'])}, max {fmt_time(w['raw_max'])}; goal <= 2 x "
+            f"raw: {w['median'] / w['raw_median']:.2f} x "
+            f"{'MET' if w['median'] <= 2 * w['raw_median'] else 'NOT MET'}"
+        )
     sys.stdout.flush()
 
 

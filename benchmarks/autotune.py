@@ -46,10 +46,15 @@ def parse_args():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--compute-ms", type=float, default=20.0,
-                    help="simulated backward time per step, spread between the submissions")
-    ap.add_argument("--sample-s", type=float, default=None,
-                    help="autotune_sample_s (default: mpidp's)")
+    ap.add_argument(
+        "--compute-ms",
+        type=float,
+        default=20.0,
+        help="simulated backward time per step, spread between the submissions",
+    )
+    ap.add_argument(
+        "--sample-s", type=float, default=None, help="autotune_sample_s (default: mpidp's)"
+    )
     ap.add_argument("--max-tune-s", type=float, default=240.0)
     ap.add_argument("--log", default="out/autotune_log.csv", help="autotune CSV log (rank 0)")
     args = ap.parse_args()
@@ -113,8 +118,7 @@ def measure(comm, step, knobs, args):
             step()
         seconds = (time.perf_counter() - began) / args.steps
     mpidp.shutdown()
-    return (comm.allreduce(seconds, op=MPI.MAX), w.comm_fraction,
-            w.stats["tensors_per_collective"])
+    return (comm.allreduce(seconds, op=MPI.MAX), w.comm_fraction, w.stats["tensors_per_collective"])
 
 
 def human(n):
@@ -125,9 +129,11 @@ def human(n):
 
 
 def describe(params):
-    return (f"fusion_threshold_bytes={human(params['fusion_threshold_bytes'])}, "
-            f"fuse_below_bytes={human(params['fuse_below_bytes'])}, "
-            f"cycle_time_ms={params['cycle_time_ms']}")
+    return (
+        f"fusion_threshold_bytes={human(params['fusion_threshold_bytes'])}, "
+        f"fuse_below_bytes={human(params['fuse_below_bytes'])}, "
+        f"cycle_time_ms={params['cycle_time_ms']}"
+    )
 
 
 def main():
@@ -136,14 +142,20 @@ def main():
     torch.set_num_threads(1)
     step = Step(args.compute_ms)
     say = (lambda *a: print(*a, flush=True)) if comm.rank == 0 else (lambda *a: None)
-    say(f"# autotune benchmark, np={comm.size}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-        f"args {' '.join(sys.argv[1:]) or '(defaults)'}")
-    say(f"# step: ResNet-18's 62 gradients (46.8 MB float32), Average, {args.compute_ms} ms "
-        f"simulated backward")
+    say(
+        f"# autotune benchmark, np={comm.size}, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+        f"args {' '.join(sys.argv[1:]) or '(defaults)'}"
+    )
+    say(
+        f"# step: ResNet-18's 62 gradients (46.8 MB float32), Average, {args.compute_ms} ms "
+        f"simulated backward"
+    )
 
     chosen, done, tune_s, tune_steps = tune(comm, step, args)
-    say(f"autotune {'chose' if done else 'had not finished; holding'} {describe(chosen)} "
-        f"after {tune_s:.1f} s ({tune_steps} steps); log: {args.log or '(none)'}")
+    say(
+        f"autotune {'chose' if done else 'had not finished; holding'} {describe(chosen)} "
+        f"after {tune_s:.1f} s ({tune_steps} steps); log: {args.log or '(none)'}"
+    )
 
     mpidp.init()
     defaults = {k: getattr(world.state().config, k) for k in TUNED}
@@ -152,7 +164,7 @@ def main():
     order = list(settings)
     samples = {name: [] for name in order}
     for rnd in range(args.rounds):
-        for name in order[rnd % 2:] + order[:rnd % 2]:
+        for name in order[rnd % 2 :] + order[: rnd % 2]:
             samples[name].append(measure(comm, step, settings[name], args))
     say(f"{'contender':>10} {'knobs':<62} {'step ms':>8} {'comm frac':>9} {'tensors/coll':>12}")
     med = {}
@@ -163,9 +175,11 @@ def main():
         per = statistics.median(s[2] for s in samples[name])
         med[name] = t
         say(f"{name:>10} {describe(knobs):<62} {t * 1e3:>8.1f} {frac:>9.3f} {per:>12.1f}")
-    say(f"defaults / autotuned step time: {med['defaults'] / med['autotuned']:.2f} "
+    say(
+        f"defaults / autotuned step time: {med['defaults'] / med['autotuned']:.2f} "
         f"(> 1: the autotuned knobs are faster; medians of {args.rounds} rounds x "
-        f"{args.steps} steps)")
+        f"{args.steps} steps)"
+    )
 
 
 if __name__ == "__main__":

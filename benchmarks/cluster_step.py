@@ -69,23 +69,33 @@ def wide():
 MODELS = dict(train_step.MODELS)
 MODELS["wide12.6M"] = (wide, lambda b: torch.randn(b, 4096), 4, 10)
 
-CONTENDERS = ("no communication", "mpidp", "mpidp overlap", "mpidp no overlap", "mpidp fp16",
-              "mpidp hierarchical", "per-tensor MPI after backward", "DDP (gloo)",
-              "DDP fp16 hook")
+CONTENDERS = (
+    "no communication",
+    "mpidp",
+    "mpidp overlap",
+    "mpidp no overlap",
+    "mpidp fp16",
+    "mpidp hierarchical",
+    "per-tensor MPI after backward",
+    "DDP (gloo)",
+    "DDP fp16 hook",
+)
 
 
 def profile_link(name):
     """(rate in bit/s or None when unshaped, one-way delay in s) of a cluster profile."""
     sys.path.insert(0, ROOT)
     from tests.integration.netshape import PROFILES, has_netem
+
     return PROFILES[name].rate_bit_s, PROFILES[name].delay_s if has_netem() else 0.0
 
 
 def own_address():
     """This host's address other hosts reach it at, and its interface: the first global IPv4
     address `ip` lists (the cluster's hosts have one, eth0 on the bridge)."""
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "scope", "global"],
-                         capture_output=True, text=True).stdout.split("\n")
+    out = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show", "scope", "global"], capture_output=True, text=True
+    ).stdout.split("\n")
     for line in out:
         parts = line.split()
         if len(parts) >= 4:
@@ -109,12 +119,14 @@ def commit():
     path = os.path.join(ROOT, "COMMIT")
     if os.path.exists(path):
         return open(path).read().strip()
-    return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def host_path():
     import mpidp.runtime.world
+
     return mpidp.runtime.world.state().engine.backend.routes["cpu"]
 
 
@@ -158,8 +170,9 @@ def contenders(build, comm, hierarchical):
         opt._overlap = flag  # what MPIDP_OVERLAP=1 / 0 decide (mpidp/training/overlap.py)
         out.append(train_step.Contender(name, m, opt))
     m = copy.deepcopy(base)
-    out.append(train_step.Contender("mpidp fp16", m,
-                                    dist_opt(m, compression=mpidp.Compression.fp16)))
+    out.append(
+        train_step.Contender("mpidp fp16", m, dist_opt(m, compression=mpidp.Compression.fp16))
+    )
     if hierarchical:
         m = copy.deepcopy(base)
         out.append(Hierarchical("mpidp hierarchical", m, dist_opt(m)))
@@ -170,6 +183,7 @@ def contenders(build, comm, hierarchical):
         for p in m.parameters():
             raw.Allreduce(MPI.IN_PLACE, p.grad.numpy())
             p.grad.div_(size)
+
     out.append(train_step.Contender("per-tensor MPI after backward", m, sgd(m), per_tensor))
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     out.append(train_step.Contender("DDP (gloo)", m, sgd(m)))
@@ -193,7 +207,7 @@ def bench_model(name, comm, rounds, steps, hierarchical):
             comm.Barrier()
             c.step(x, y)
     for r in range(rounds):
-        order = runners[r % len(runners):] + runners[:r % len(runners)]
+        order = runners[r % len(runners) :] + runners[: r % len(runners)]
         for c in order:
             for _ in range(steps):
                 comm.Barrier()
@@ -202,9 +216,13 @@ def bench_model(name, comm, rounds, steps, hierarchical):
     # The slowest rank sets the pace: each contender's largest median over the ranks.
     med = {k: max(v) for k, v in zip(med, zip(*comm.allgather(list(med.values()))))}
     params = list(build().parameters())
-    return {"step_s": med, "grad_bytes": sum(p.numel() * 4 for p in params),
-            "bucket_bytes": buckets, "last_bucket_bytes": last,
-            "last_tensor_bytes": params[0].numel() * 4}
+    return {
+        "step_s": med,
+        "grad_bytes": sum(p.numel() * 4 for p in params),
+        "bucket_bytes": buckets,
+        "last_bucket_bytes": last,
+        "last_tensor_bytes": params[0].numel() * 4,
+    }
 
 
 def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
@@ -214,8 +232,10 @@ def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
     ring = 2.0 * (n - 1) / n
     bytes_per_s = rate_bit / 8.0
     t_c = row["step_s"]["no communication"]
-    t_comm = ring * scale * row["grad_bytes"] / bytes_per_s + \
-        len(row["bucket_bytes"]) * 2 * (n - 1) * delay_s
+    t_comm = (
+        ring * scale * row["grad_bytes"] / bytes_per_s
+        + len(row["bucket_bytes"]) * 2 * (n - 1) * delay_s
+    )
     t_last = ring * scale * row[last_key] / bytes_per_s
     return t_comm, max(t_c, t_comm - t_last) + t_last, t_c + t_comm
 
@@ -223,15 +243,19 @@ def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
 def report(result, file=sys.stdout):
     n, rate, delay = result["hosts"], result["link_bit_s"], result["delay_s"]
     p = lambda *a: print(*a, file=file)  # noqa: E731
-    p(f"train step, {result['profile']}, {result['ranks']} ranks on {result['hosts']} hosts, "
-      f"link {rate / 1e9 if rate else float('nan'):.3g} Gbit/s, delay {delay * 1e6:.0f} us; "
-      f"medians of {result['rounds']}x{result['steps']} steps (ms), slowest rank")
+    p(
+        f"train step, {result['profile']}, {result['ranks']} ranks on {result['hosts']} hosts, "
+        f"link {rate / 1e9 if rate else float('nan'):.3g} Gbit/s, delay {delay * 1e6:.0f} us; "
+        f"medians of {result['rounds']}x{result['steps']} steps (ms), slowest rank"
+    )
     for name, row in result["models"].items():
         med = row["step_s"]
-        p(f"\n{name}: {row['grad_bytes'] / 1e6:.1f} MB of gradients, mpidp buckets "
-          f"{[round(b / 1e6, 1) for b in row['bucket_bytes']]} MB (last "
-          f"{row['last_bucket_bytes'] / 1e6:.1f}), last gradient "
-          f"{row['last_tensor_bytes'] / 1e6:.2f} MB")
+        p(
+            f"\n{name}: {row['grad_bytes'] / 1e6:.1f} MB of gradients, mpidp buckets "
+            f"{[round(b / 1e6, 1) for b in row['bucket_bytes']]} MB (last "
+            f"{row['last_bucket_bytes'] / 1e6:.1f}), last gradient "
+            f"{row['last_tensor_bytes'] / 1e6:.2f} MB"
+        )
         for k, v in med.items():
             p(f"  {k:32s} {v * 1e3:9.1f}")
         ours = med["mpidp"]
@@ -239,29 +263,37 @@ def report(result, file=sys.stdout):
             t_comm, t_limit, t_serial = limits(row, n, rate, delay)
             h_comm, h_limit, h_serial = limits(row, n, rate, delay, half=True)
             b_limit = limits(row, n, rate, delay, last_key="last_bucket_bytes")[1]
-            p(f"  t_comm {t_comm * 1e3:.1f}  t_limit {t_limit * 1e3:.1f}  t_compute + t_comm "
-              f"{t_serial * 1e3:.1f}  t_limit with mpidp's buckets {b_limit * 1e3:.1f}   (fp16: "
-              f"t_comm {h_comm * 1e3:.1f}, t_limit {h_limit * 1e3:.1f})")
+            p(
+                f"  t_comm {t_comm * 1e3:.1f}  t_limit {t_limit * 1e3:.1f}  t_compute + t_comm "
+                f"{t_serial * 1e3:.1f}  t_limit with mpidp's buckets {b_limit * 1e3:.1f}   (fp16: "
+                f"t_comm {h_comm * 1e3:.1f}, t_limit {h_limit * 1e3:.1f})"
+            )
             p(f"  mpidp / t_limit                  {ours / t_limit:9.3f}   (goal <= 1.10)")
             p(f"  mpidp fp16 / fp16 t_limit        {med['mpidp fp16'] / h_limit:9.3f}")
-        p(f"  mpidp fp16 / mpidp               {med['mpidp fp16'] / ours:9.3f}   (goal <= 0.60 "
-          f"where network-bound)")
+        p(
+            f"  mpidp fp16 / mpidp               {med['mpidp fp16'] / ours:9.3f}   (goal <= 0.60 "
+            f"where network-bound)"
+        )
         p(f"  DDP (gloo) / mpidp               {med['DDP (gloo)'] / ours:9.3f}   (goal > 1)")
-        p(f"  DDP fp16 hook / mpidp fp16       {med['DDP fp16 hook'] / med['mpidp fp16']:9.3f}"
-          f"   (goal > 1)")
+        p(
+            f"  DDP fp16 hook / mpidp fp16       {med['DDP fp16 hook'] / med['mpidp fp16']:9.3f}"
+            f"   (goal > 1)"
+        )
         best = min(med["mpidp overlap"], med["mpidp no overlap"])
-        p(f"  mpidp (auto) / better forced     {ours / best:9.3f}   (goal <= 1.03; overlap "
-          f"{med['mpidp overlap'] * 1e3:.1f}, no overlap {med['mpidp no overlap'] * 1e3:.1f})")
+        p(
+            f"  mpidp (auto) / better forced     {ours / best:9.3f}   (goal <= 1.03; overlap "
+            f"{med['mpidp overlap'] * 1e3:.1f}, no overlap {med['mpidp no overlap'] * 1e3:.1f})"
+        )
         if "mpidp hierarchical" in med:
             p(f"  mpidp hierarchical / mpidp       {med['mpidp hierarchical'] / ours:9.3f}")
         p(f"  per-tensor MPI / mpidp           {med['per-tensor MPI after backward'] / ours:9.3f}")
 
 
 def run(args):
+    import torch.distributed as dist
     from mpi4py import MPI
 
     import mpidp
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -274,11 +306,20 @@ def run(args):
         rate = args.link_gbit * 1e9
     if args.delay_us is not None:
         delay = args.delay_us * 1e-6
-    result = {"profile": args.profile or "?", "ranks": comm.size, "hosts": hosts,
-              "link_bit_s": rate, "delay_s": delay, "rounds": args.rounds, "steps": args.steps,
-              "overlap_knob": os.environ.get("MPIDP_OVERLAP", "auto"), "master_addr": master,
-              "commit": commit(),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "models": {}}
+    result = {
+        "profile": args.profile or "?",
+        "ranks": comm.size,
+        "hosts": hosts,
+        "link_bit_s": rate,
+        "delay_s": delay,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "overlap_knob": os.environ.get("MPIDP_OVERLAP", "auto"),
+        "master_addr": master,
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "models": {},
+    }
     for name in args.models.split(","):
         result["models"][name] = bench_model(name, comm, args.rounds, args.steps, hierarchical)
     if comm.rank == 0:
@@ -303,8 +344,10 @@ def summarize(paths, plot):
     for (profile, hosts, ranks), rs in groups.items():
         first = rs[0]
         n, rate, delay = hosts, first["link_bit_s"], first["delay_s"]
-        print(f"\n== {profile}, {hosts} hosts x {ranks // hosts} ranks, {len(rs)} launch(es) "
-              f"({', '.join(r['commit'] + ' ' + r['date'][11:16] for r in rs)})")
+        print(
+            f"\n== {profile}, {hosts} hosts x {ranks // hosts} ranks, {len(rs)} launch(es) "
+            f"({', '.join(r['commit'] + ' ' + r['date'][11:16] for r in rs)})"
+        )
         for model in first["models"]:
             rows = [r["models"][model] for r in rs]
             names = list(rows[0]["step_s"])
@@ -312,10 +355,12 @@ def summarize(paths, plot):
             ratios = {}
             for row in rows:
                 s = row["step_s"]
-                got = {"fp16/fp32": s["mpidp fp16"] / s["mpidp"],
-                       "DDP/mpidp": s["DDP (gloo)"] / s["mpidp"],
-                       "DDPfp16/fp16": s["DDP fp16 hook"] / s["mpidp fp16"],
-                       "auto/better": s["mpidp"] / min(s["mpidp overlap"], s["mpidp no overlap"])}
+                got = {
+                    "fp16/fp32": s["mpidp fp16"] / s["mpidp"],
+                    "DDP/mpidp": s["DDP (gloo)"] / s["mpidp"],
+                    "DDPfp16/fp16": s["DDP fp16 hook"] / s["mpidp fp16"],
+                    "auto/better": s["mpidp"] / min(s["mpidp overlap"], s["mpidp no overlap"]),
+                }
                 if rate:
                     got["mpidp/t_limit"] = s["mpidp"] / limits(row, n, rate, delay)[1]
                 if "mpidp hierarchical" in s:
@@ -324,48 +369,75 @@ def summarize(paths, plot):
                     ratios.setdefault(k, []).append(v)
             print(f"  {model} (ms, median of launches; per launch)")
             for k in names:
-                print(f"    {k:32s} {med[k] * 1e3:8.1f}   "
-                      f"({per_launch(row['step_s'][k] * 1e3 for row in rows)})")
+                print(
+                    f"    {k:32s} {med[k] * 1e3:8.1f}   "
+                    f"({per_launch(row['step_s'][k] * 1e3 for row in rows)})"
+                )
             if rate:
                 row0 = dict(rows[0], step_s=med)
                 t_comm, t_limit, t_serial = limits(row0, n, rate, delay)
                 b_limit = limits(row0, n, rate, delay, last_key="last_bucket_bytes")[1]
-                print(f"    t_comm {t_comm * 1e3:.1f}  t_limit {t_limit * 1e3:.1f}  "
-                      f"t_compute + t_comm {t_serial * 1e3:.1f}  t_limit with mpidp's buckets "
-                      f"{b_limit * 1e3:.1f}")
+                print(
+                    f"    t_comm {t_comm * 1e3:.1f}  t_limit {t_limit * 1e3:.1f}  "
+                    f"t_compute + t_comm {t_serial * 1e3:.1f}  t_limit with mpidp's buckets "
+                    f"{b_limit * 1e3:.1f}"
+                )
                 table[(profile, ranks, model)] = (rate, med, t_limit, t_serial)
             for k, vs in ratios.items():
-                print(f"    {k:32s} {statistics.median(vs):8.3f}   "
-                      f"({per_launch(vs, '.3f')})")
+                print(f"    {k:32s} {statistics.median(vs):8.3f}   ({per_launch(vs, '.3f')})")
     if plot:
         draw(table, plot)
 
 
 def draw(table, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     layouts = sorted({ranks for _, ranks, _ in table})
     names = list(dict.fromkeys(model for _, _, model in table))
-    fig, grid = plt.subplots(len(layouts), len(names), squeeze=False,
-                             figsize=(4.8 * len(names), 4.2 * len(layouts)))
+    fig, grid = plt.subplots(
+        len(layouts), len(names), squeeze=False, figsize=(4.8 * len(names), 4.2 * len(layouts))
+    )
     for row, ranks in enumerate(layouts):
         for ax, model in zip(grid[row], names):
-            pts = sorted((v for (_, r, m), v in table.items() if (r, m) == (ranks, model)),
-                         key=lambda v: v[0])
+            pts = sorted(
+                (v for (_, r, m), v in table.items() if (r, m) == (ranks, model)),
+                key=lambda v: v[0],
+            )
             if not pts:
                 ax.set_visible(False)
                 continue
             rates = [v[0] / 1e9 for v in pts]
             for i, name in enumerate(CONTENDERS):
                 if name in pts[0][1]:
-                    ax.plot(rates, [v[1][name] * 1e3 for v in pts], "-o", ms=3,
-                            color=f"C{i}", label=name)
-            ax.plot(rates, [v[2] * 1e3 for v in pts], "k--", marker="_", ms=14, lw=2,
-                    label="t_limit (perfect overlap)")
-            ax.plot(rates, [v[3] * 1e3 for v in pts], "k:", marker="x", ms=7, lw=2,
-                    label="t_compute + t_comm (no overlap)")
+                    ax.plot(
+                        rates,
+                        [v[1][name] * 1e3 for v in pts],
+                        "-o",
+                        ms=3,
+                        color=f"C{i}",
+                        label=name,
+                    )
+            ax.plot(
+                rates,
+                [v[2] * 1e3 for v in pts],
+                "k--",
+                marker="_",
+                ms=14,
+                lw=2,
+                label="t_limit (perfect overlap)",
+            )
+            ax.plot(
+                rates,
+                [v[3] * 1e3 for v in pts],
+                "k:",
+                marker="x",
+                ms=7,
+                lw=2,
+                label="t_compute + t_comm (no overlap)",
+            )
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("link rate, Gbit/s")
@@ -381,17 +453,29 @@ def draw(table, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="", help="the cluster's profile (its link rate and "
-                        "delay come from multihost_cluster.PROFILES)")
-    parser.add_argument("--link-gbit", type=float, default=0.0, help="link rate, overrides the "
-                        "profile's (needed for a profile with no rate limit: give the measured)")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="the cluster's profile (its link rate and delay come from multihost_cluster.PROFILES)",
+    )
+    parser.add_argument(
+        "--link-gbit",
+        type=float,
+        default=0.0,
+        help="link rate, overrides the "
+        "profile's (needed for a profile with no rate limit: give the measured)",
+    )
     parser.add_argument("--delay-us", type=float, default=None, help="one-way delay, overrides")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--models", default="resnet18,mlp6.3M,wide12.6M")
     parser.add_argument("--json")
-    parser.add_argument("--summarize", nargs="+", metavar="JSON",
-                        help="medians over launches' --json files (no MPI)")
+    parser.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSON",
+        help="medians over launches' --json files (no MPI)",
+    )
     parser.add_argument("--plot", help="with --summarize: PNG of step time against link rate")
     args = parser.parse_args()
     if args.summarize:

@@ -113,11 +113,14 @@ def main():
 
     plain, ours, ddp_model = (copy.deepcopy(base) for _ in range(3))
     ddp_model = torch.nn.parallel.DistributedDataParallel(
-        ddp_model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp_model, device_ids=[device.index] if device.type == "cuda" else None
+    )
     runners = {
         "no communication": (plain, sgd(plain)),
-        f"mpidp ({path})": (ours, mpidp.DistributedOptimizer(
-            sgd(ours), named_parameters=ours.named_parameters())),
+        f"mpidp ({path})": (
+            ours,
+            mpidp.DistributedOptimizer(sgd(ours), named_parameters=ours.named_parameters()),
+        ),
         f"DDP ({backend})": (ddp_model, sgd(ddp_model)),
     }
     times = {name: [] for name in runners}
@@ -125,22 +128,31 @@ def main():
     for name in names:  # warm-up: allocator, caches, mpidp's response cache, NCCL set-up
         timed_steps(*runners[name], x, y, 2, device)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             comm.Barrier()
             times[name] += timed_steps(*runners[name], x, y, args.steps, device)
     grads = [torch.randn_like(p) for p in base.parameters()]
     timed_allreduce(grads, device, 2)
     comm.Barrier()
-    times["allreduce of the gradient set"] = timed_allreduce(grads, device,
-                                                             args.rounds * args.steps)
+    times["allreduce of the gradient set"] = timed_allreduce(
+        grads, device, args.rounds * args.steps
+    )
     # The slowest rank sets the pace: each figure is the largest median over ranks.
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     med = {k: max(v) for k, v in zip(med, zip(*comm.allgather(list(med.values()))))}
     if comm.rank == 0:
-        row = {"device": device.type, "n": comm.size, "path": path, "ddp": backend,
-               "ms": med, "mpidp_over_ddp": med[f"mpidp ({path})"] / med[f"DDP ({backend})"]}
-        print(f"cuda_paths: {device.type} tensors, np={comm.size}, mpidp path {path}, medians "
-              f"of {args.rounds}x{args.steps} (ms)")
+        row = {
+            "device": device.type,
+            "n": comm.size,
+            "path": path,
+            "ddp": backend,
+            "ms": med,
+            "mpidp_over_ddp": med[f"mpidp ({path})"] / med[f"DDP ({backend})"],
+        }
+        print(
+            f"cuda_paths: {device.type} tensors, np={comm.size}, mpidp path {path}, medians "
+            f"of {args.rounds}x{args.steps} (ms)"
+        )
         for k, v in med.items():
             print(f"  {k:34s} {v:9.2f}")
         print(f"  mpidp step / DDP ({backend}) step      {row['mpidp_over_ddp']:9.3f}")

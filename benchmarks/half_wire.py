@@ -22,8 +22,8 @@ import argparse
 import statistics
 import time
 
-from mpi4py import MPI
 import torch
+from mpi4py import MPI
 
 import mpidp
 
@@ -53,19 +53,27 @@ def main() -> None:
     if rank == 0:
         names = mpidp.runtime.world.state().engine.backend.names
         print(f"# {comm.Get_size()} ranks, data path {names}", flush=True)
-        print(f"{'fp32 size':>10} " + " ".join(f"{c:>20}" for c in
-              ("fp32", "fp16", "bf16", "fp32_widened", "raw_fp32")) + "  wire B/elem fp16 bf16")
+        print(
+            f"{'fp32 size':>10} "
+            + " ".join(f"{c:>20}" for c in ("fp32", "fp16", "bf16", "fp32_widened", "raw_fp32"))
+            + "  wire B/elem fp16 bf16"
+        )
     for nbytes in [_size(s) for s in args.sizes.split(",")]:
         n = nbytes // 4
         base = torch.randn(n)
-        tensors = {"fp32": base.clone(), "fp16": base.half(), "bf16": base.bfloat16(),
-                   "raw_fp32": base.clone()}
+        tensors = {
+            "fp32": base.clone(),
+            "fp16": base.half(),
+            "bf16": base.bfloat16(),
+            "raw_fp32": base.clone(),
+        }
         widened_src, widened_buf = base.half(), torch.empty(n)
 
         def widened():
             widened_buf.copy_(widened_src)
             mpidp.allreduce_(widened_buf, name=f"hw.widened.{n}")
             widened_src.copy_(widened_buf)
+
         calls = {
             "fp32": lambda: mpidp.allreduce_(tensors["fp32"], name=f"hw.fp32.{n}"),
             "fp16": lambda: mpidp.allreduce_(tensors["fp16"], name=f"hw.fp16.{n}"),
@@ -79,7 +87,7 @@ def main() -> None:
         samples = {name: [] for name in names}
         wire = {}
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 if name in ("fp16", "bf16"):
                     mpidp.stats(reset=True)
@@ -91,10 +99,10 @@ def main() -> None:
             widened_src.fill_(0.5)
         med = {name: statistics.median(v) for name, v in samples.items()}
         if rank == 0:
-            cells = " ".join(f"{med[c] * 1e3:9.2f} ms ({med[c] / med['fp32']:.2f}x)"
-                             for c in names)
-            print(f"{nbytes // MB:>7} MB {cells}  {wire['fp16']:.1f} {wire['bf16']:.1f}",
-                  flush=True)
+            cells = " ".join(f"{med[c] * 1e3:9.2f} ms ({med[c] / med['fp32']:.2f}x)" for c in names)
+            print(
+                f"{nbytes // MB:>7} MB {cells}  {wire['fp16']:.1f} {wire['bf16']:.1f}", flush=True
+            )
     mpidp.shutdown()
 
 

@@ -13,8 +13,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.down = None
         if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                      nn.BatchNorm2d(cout))
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -44,5 +45,6 @@ class ResNet18(nn.Module):
 
 def mlp():
     """6.3 M parameters in three layers."""
-    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                         nn.Linear(2048, 10))
+    return nn.Sequential(
+        nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)
+    )

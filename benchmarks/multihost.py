@@ -77,14 +77,17 @@ def run_mpidp(comm, sizes, iters, min_time, hierarchical):
     mpidp.init(hierarchical_allreduce=int(hierarchical))
     path = mpidp.runtime.world.state().engine.backend.routes["cpu"]
     if path.hierarchical != hierarchical:
-        raise SystemExit(f"asked for hierarchical={hierarchical}, the engine has "
-                         f"{path.hierarchical}: need >1 host and >1 rank per host, equal counts")
+        raise SystemExit(
+            f"asked for hierarchical={hierarchical}, the engine has "
+            f"{path.hierarchical}: need >1 host and >1 rank per host, equal counts"
+        )
     out = {}
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)
         name = f"bench.{nbytes}"
-        out[nbytes] = timed(comm, lambda: mpidp.allreduce_(t, op=mpidp.Sum, name=name), iters,
-                            min_time)
+        out[nbytes] = timed(
+            comm, lambda: mpidp.allreduce_(t, op=mpidp.Sum, name=name), iters, min_time
+        )
     mpidp.shutdown()
     return out
 
@@ -95,8 +98,9 @@ def run_raw(comm, sizes, iters, min_time):
     out = {}
     for nbytes in sizes:
         buf = np.ones(nbytes // 4, dtype=np.float32)
-        out[nbytes] = timed(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), iters,
-                            min_time)
+        out[nbytes] = timed(
+            comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), iters, min_time
+        )
     return out
 
 
@@ -133,15 +137,16 @@ def measure(args):
     comm = MPI.COMM_WORLD.Dup()
     hosts = len(set(comm.allgather(MPI.Get_processor_name())))
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-    contenders = {"raw": lambda: run_raw(comm, sizes, args.iters, args.min_time),
-                  "flat": lambda: run_mpidp(comm, sizes, args.iters, args.min_time, False)}
+    contenders = {
+        "raw": lambda: run_raw(comm, sizes, args.iters, args.min_time),
+        "flat": lambda: run_mpidp(comm, sizes, args.iters, args.min_time, False),
+    }
     if hosts > 1 and local > 1:
-        contenders["hierarchical"] = lambda: run_mpidp(comm, sizes, args.iters, args.min_time,
-                                                       True)
+        contenders["hierarchical"] = lambda: run_mpidp(comm, sizes, args.iters, args.min_time, True)
     names = list(contenders)
     samples = {name: {n: [] for n in sizes} for name in names}
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             for nbytes, secs in contenders[name]().items():
                 samples[name][nbytes].append(secs)
     if comm.Get_rank() != 0:
@@ -149,15 +154,25 @@ def measure(args):
     link = args.link_gbit * 1e9 if args.link_gbit else None
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from cluster_step import commit
-    result = {"commit": commit(), "ranks": comm.Get_size(), "hosts": hosts, "per_host": local,
-              "sizes": sizes,
-              "rounds": args.rounds, "link_bit_s": link, "label": args.label,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-              "library": MPI.Get_library_version().splitlines()[0].strip(),
-              "samples": {k: {str(n): v for n, v in s.items()} for k, s in samples.items()}}
-    print(f"{comm.Get_size()} ranks on {hosts} host(s), {args.rounds} rounds; medians over "
-          f"rounds; busbw = bytes * 2(n-1)/n / time" +
-          (f"; link {args.link_gbit:g} Gbit/s" if link else ""))
+
+    result = {
+        "commit": commit(),
+        "ranks": comm.Get_size(),
+        "hosts": hosts,
+        "per_host": local,
+        "sizes": sizes,
+        "rounds": args.rounds,
+        "link_bit_s": link,
+        "label": args.label,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "library": MPI.Get_library_version().splitlines()[0].strip(),
+        "samples": {k: {str(n): v for n, v in s.items()} for k, s in samples.items()},
+    }
+    print(
+        f"{comm.Get_size()} ranks on {hosts} host(s), {args.rounds} rounds; medians over "
+        f"rounds; busbw = bytes * 2(n-1)/n / time"
+        + (f"; link {args.link_gbit:g} Gbit/s" if link else "")
+    )
     med = {k: {n: statistics.median(v) for n, v in s.items()} for k, s in samples.items()}
     print_table(result, med, link)
     if args.json:
@@ -171,21 +186,27 @@ def summarize(paths, fit_json, fit_sizes=None):
     sizes, ranks, link = first["sizes"], first["ranks"], first["link_bit_s"]
     names = [n for n in NAMES if n in first["samples"]]
     # One figure per launch: the median over its rounds; then the median over launches.
-    per = {k: {n: [statistics.median(r["samples"][k][str(n)]) for r in runs] for n in sizes}
-           for k in names}
+    per = {
+        k: {n: [statistics.median(r["samples"][k][str(n)]) for r in runs] for n in sizes}
+        for k in names
+    }
     med = {k: {n: statistics.median(v) for n, v in per[k].items()} for k in names}
-    print(f"{ranks} ranks on {first['hosts']} hosts, {len(runs)} launches "
-          f"({', '.join(r.get('commit', '?') + ' ' + r['date'][11:16] for r in runs)}), "
-          f"label {first.get('label')}; medians "
-          f"of the launches' medians" + (f"; link {link / 1e9:g} Gbit/s" if link else ""))
+    print(
+        f"{ranks} ranks on {first['hosts']} hosts, {len(runs)} launches "
+        f"({', '.join(r.get('commit', '?') + ' ' + r['date'][11:16] for r in runs)}), "
+        f"label {first.get('label')}; medians "
+        f"of the launches' medians" + (f"; link {link / 1e9:g} Gbit/s" if link else "")
+    )
     print_table(first, med, link)
     print("per launch:")
     for n in sizes:
         cells = []
         for k in names:
             bw = [busbw(n, ranks, t) / 1e9 for t in per[k][n]]
-            cells.append(f"{k} {' / '.join(f'{t * 1e3:.3f}' for t in per[k][n])} ms "
-                         f"({' / '.join(f'{b:.3f}' for b in bw)} Gbit/s)")
+            cells.append(
+                f"{k} {' / '.join(f'{t * 1e3:.3f}' for t in per[k][n])} ms "
+                f"({' / '.join(f'{b:.3f}' for b in bw)} Gbit/s)"
+            )
         ratio = [f / r for f, r in zip(per["flat"][n], per["raw"][n])]
         cells.append(f"mpidp/raw {' / '.join(f'{x:.3f}' for x in ratio)}")
         if "hierarchical" in per:
@@ -195,18 +216,29 @@ def summarize(paths, fit_json, fit_sizes=None):
     if fit_json:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from scaling_model import fit_alpha_beta
-        out = {"sizes": sizes, "np": ranks, "library": first["library"],
-               "label": first.get("label"), "source": "benchmarks/multihost.py --summarize",
-               "launches": [os.path.basename(p) for p in paths]}
+
+        out = {
+            "sizes": sizes,
+            "np": ranks,
+            "library": first["library"],
+            "label": first.get("label"),
+            "source": "benchmarks/multihost.py --summarize",
+            "launches": [os.path.basename(p) for p in paths],
+        }
         fit = [parse_size(s) for s in fit_sizes.split(",")] if fit_sizes else sizes
         out["fit_sizes"] = fit
         for key, name in (("mpi4py", "raw"), ("mpidp", "flat")):
             times = [med[name][n] for n in sizes]
-            out[key] = {"times": times, "medians": times,
-                        "fit": fit_alpha_beta(fit, [med[name][n] for n in fit])}
+            out[key] = {
+                "times": times,
+                "medians": times,
+                "fit": fit_alpha_beta(fit, [med[name][n] for n in fit]),
+            }
             f = out[key]["fit"]
-            print(f"{key}: alpha={f['alpha'] * 1e6:.1f} us  beta=1/({f['gbytes_per_s']:.4f} "
-                  f"GB/s)  R2={f['r2']:.4f}  median|rel err|={f['median_rel_err']:.2f}")
+            print(
+                f"{key}: alpha={f['alpha'] * 1e6:.1f} us  beta=1/({f['gbytes_per_s']:.4f} "
+                f"GB/s)  R2={f['r2']:.4f}  median|rel err|={f['median_rel_err']:.2f}"
+            )
         with open(fit_json, "w") as fh:
             json.dump(out, fh, indent=1)
         print(f"wrote {fit_json}")
@@ -216,17 +248,25 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10, help="calls per sample, at most")
-    parser.add_argument("--min-time", type=float, default=0.3,
-                        help="seconds a sample should last (fewer calls for large sizes)")
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=0.3,
+        help="seconds a sample should last (fewer calls for large sizes)",
+    )
     parser.add_argument("--sizes", default=DEFAULT_SIZES)
-    parser.add_argument("--link-gbit", type=float, default=0.0,
-                        help="the link rate, for busbw / link")
+    parser.add_argument(
+        "--link-gbit", type=float, default=0.0, help="the link rate, for busbw / link"
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--json")
     parser.add_argument("--summarize", nargs="+", metavar="JSON")
     parser.add_argument("--fit-json", help="with --summarize: alpha/beta fit written here")
-    parser.add_argument("--fit-sizes", help="with --fit-json: fit these sizes only (leave out "
-                        "those a shaper's burst lets through faster than its rate)")
+    parser.add_argument(
+        "--fit-sizes",
+        help="with --fit-json: fit these sizes only (leave out "
+        "those a shaper's burst lets through faster than its rate)",
+    )
     args = parser.parse_args()
     if args.summarize:
         summarize(args.summarize, args.fit_json, args.fit_sizes)

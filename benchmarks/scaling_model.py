@@ -77,12 +77,13 @@ HOROVOD_PUBLISHED = {128: 90, 512: 90}
 HOROVOD_PANEL = "Horovod's set-up: resnet101, 25gbe"
 RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 TABLE_RANKS = (8, 64, 128, 512, 1024)
-DEFAULT_SIZES = [4 * 4 ** k for k in range(13)]   # 4 B ... 64 MB
+DEFAULT_SIZES = [4 * 4**k for k in range(13)]  # 4 B ... 64 MB
 
 
 @dataclass(frozen=True)
 class Fabric:
     """One link: latency alpha (s) and inverse bandwidth beta (s/byte)."""
+
     name: str
     alpha: float
     beta: float
@@ -100,6 +101,7 @@ PRESETS = {
 
 
 # ---- gradient sets ----
+
 
 def bottleneck_resnet_shapes(blocks) -> list:
     """Parameter shapes of a torchvision bottleneck ResNet (e.g. blocks=(3, 4, 6, 3): ResNet-50)."""
@@ -127,6 +129,7 @@ def gradient_bytes(model: str, itemsize: int = 4) -> list:
 
 # ---- allreduce cost ----
 
+
 def ring_allreduce_time(nbytes: float, p: int, fabric: Fabric) -> float:
     """Ring allreduce: 2(p-1) steps, each one alpha plus n/p bytes."""
     if p <= 1:
@@ -141,8 +144,14 @@ def rd_allreduce_time(nbytes: float, p: int, fabric: Fabric) -> float:
     return 2.0 * (p - 1) / p * nbytes * fabric.beta + 2.0 * math.log2(p) * fabric.alpha
 
 
-def hierarchical_allreduce_time(nbytes: float, p: int, intra: Fabric, cross: Fabric,
-                                per_node: int, cross_algo=ring_allreduce_time) -> float:
+def hierarchical_allreduce_time(
+    nbytes: float,
+    p: int,
+    intra: Fabric,
+    cross: Fabric,
+    per_node: int,
+    cross_algo=ring_allreduce_time,
+) -> float:
     """Reduce-scatter in the node, allreduce of the shards across nodes, allgather in the node."""
     g = min(per_node, p)
     nodes = max(p // g, 1)
@@ -151,6 +160,7 @@ def hierarchical_allreduce_time(nbytes: float, p: int, intra: Fabric, cross: Fab
 
 
 # ---- step model ----
+
 
 def buckets(sizes_backward_order, bucket_bytes: float) -> list:
     """Group tensors, in the order they become ready, into buckets of at least bucket_bytes
@@ -166,8 +176,9 @@ def buckets(sizes_backward_order, bucket_bytes: float) -> list:
     return out
 
 
-def step_times(grad_bytes, compute_s: float, backward_fraction: float, bucket_bytes: float,
-               allreduce) -> tuple:
+def step_times(
+    grad_bytes, compute_s: float, backward_fraction: float, bucket_bytes: float, allreduce
+) -> tuple:
     """(no-overlap, overlap) step time for one rank; allreduce(nbytes) gives one bucket's time."""
     backward = list(reversed(grad_bytes))
     total = float(sum(backward))
@@ -190,6 +201,7 @@ def efficiency(compute_s: float, step_s: float) -> float:
 
 # ---- fitting ----
 
+
 def fit_alpha_beta(sizes, times) -> dict:
     """Least squares of t = a + b*n on relative error, a and b >= 0; alpha = a/2, beta = b (the
     ring cost at p = 2)."""
@@ -206,21 +218,30 @@ def fit_alpha_beta(sizes, times) -> dict:
         a, b, clamped = float(np.sum(w * w * t) / np.sum(w * w)), 0.0, "b"
     pred = a + b * n
     resid = t - pred
-    r2 = 1.0 - float(np.sum(resid ** 2) / np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - float(np.sum(resid**2) / np.sum((t - t.mean()) ** 2))
     rel = np.abs(resid) / t
-    return {"a": float(a), "b": float(b), "alpha": float(a) / 2.0, "beta": float(b),
-            "gbytes_per_s": (1.0 / float(b) / 1e9) if b > 0 else float("inf"),
-            "r2": r2, "median_rel_err": float(np.median(rel)), "max_rel_err": float(rel.max()),
-            "clamped_to_zero": clamped}
+    return {
+        "a": float(a),
+        "b": float(b),
+        "alpha": float(a) / 2.0,
+        "beta": float(b),
+        "gbytes_per_s": (1.0 / float(b) / 1e9) if b > 0 else float("inf"),
+        "r2": r2,
+        "median_rel_err": float(np.median(rel)),
+        "max_rel_err": float(rel.max()),
+        "clamped_to_zero": clamped,
+    }
 
 
 # ---- measurement (under mpiexec -n 2) ----
 
+
 def measure(sizes, repeats: int, min_time: float) -> dict:
     """Blocking-allreduce time per size (min and median of `repeats` samples, each the slowest
     rank's mean over a batch of calls) for mpidp and raw mpi4py, and fits of the minima."""
-    from mpi4py import MPI
     import torch
+    from mpi4py import MPI
+
     import mpidp
 
     mpidp.init()
@@ -232,9 +253,11 @@ def measure(sizes, repeats: int, min_time: float) -> dict:
         array = tensor.numpy()
         for contender in ("mpi4py", "mpidp"):
             iters = 1
-            call = ((lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM))
-                    if contender == "mpi4py" else
-                    (lambda: mpidp.allreduce(tensor, name=f"sm.{n}", op=mpidp.Sum)))
+            call = (
+                (lambda: comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM))
+                if contender == "mpi4py"
+                else (lambda: mpidp.allreduce(tensor, name=f"sm.{n}", op=mpidp.Sum))
+            )
             call()
             samples = []
             for _ in range(repeats):
@@ -254,12 +277,16 @@ def measure(sizes, repeats: int, min_time: float) -> dict:
     mpidp.shutdown()
     out = {"sizes": list(sizes), "np": MPI.COMM_WORLD.Get_size(), "library": library}
     for contender, times in results.items():
-        out[contender] = {"times": times, "medians": medians[contender],
-                          "fit": fit_alpha_beta(sizes, times)}
+        out[contender] = {
+            "times": times,
+            "medians": medians[contender],
+            "fit": fit_alpha_beta(sizes, times),
+        }
     return out
 
 
 # ---- predictions and output ----
+
 
 def parse_fabric(text: str) -> Fabric:
     name, _, spec = text.partition("=")
@@ -278,21 +305,33 @@ def predict(fabrics, compute, args, intra=None) -> list:
             for p in args.ranks:
                 if args.gpus_per_node > 1 and fabric.name != intra.name:
                     cost = lambda n: hierarchical_allreduce_time(  # noqa: E731
-                        n, p, intra, fabric, args.gpus_per_node, algo)
+                        n, p, intra, fabric, args.gpus_per_node, algo
+                    )
                 else:
                     cost = lambda n: algo(n, p, fabric)  # noqa: E731
-                plain, over = step_times(grads, compute_s, args.backward_fraction,
-                                         args.bucket_mb * MB, cost)
-                rows.append({"model": model, "fabric": fabric.name, "ranks": p,
-                             "alpha_us": fabric.alpha * 1e6, "gbytes_per_s": 1e-9 / fabric.beta,
-                             "compute_s": compute_s, "step_no_overlap_s": plain,
-                             "step_overlap_s": over, "eff_no_overlap": efficiency(compute_s, plain),
-                             "eff_overlap": efficiency(compute_s, over)})
+                plain, over = step_times(
+                    grads, compute_s, args.backward_fraction, args.bucket_mb * MB, cost
+                )
+                rows.append(
+                    {
+                        "model": model,
+                        "fabric": fabric.name,
+                        "ranks": p,
+                        "alpha_us": fabric.alpha * 1e6,
+                        "gbytes_per_s": 1e-9 / fabric.beta,
+                        "compute_s": compute_s,
+                        "step_no_overlap_s": plain,
+                        "step_overlap_s": over,
+                        "eff_no_overlap": efficiency(compute_s, plain),
+                        "eff_overlap": efficiency(compute_s, over),
+                    }
+                )
     return rows
 
 
 def write_plot(rows, path: str, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -306,13 +345,29 @@ def write_plot(rows, path: str, title: str) -> None:
             if not sel:
                 continue
             ranks = [r["ranks"] for r in sel]
-            ax.plot(ranks, [100 * r["eff_overlap"] for r in sel], "-o", color=color,
-                    ms=3, label=f"{fabric}, overlap")
-            ax.plot(ranks, [100 * r["eff_no_overlap"] for r in sel], "--", color=color,
-                    label=f"{fabric}, no overlap")
+            ax.plot(
+                ranks,
+                [100 * r["eff_overlap"] for r in sel],
+                "-o",
+                color=color,
+                ms=3,
+                label=f"{fabric}, overlap",
+            )
+            ax.plot(
+                ranks,
+                [100 * r["eff_no_overlap"] for r in sel],
+                "--",
+                color=color,
+                label=f"{fabric}, no overlap",
+            )
         if panel.startswith(HOROVOD_PANEL):
-            ax.plot(list(HOROVOD_PUBLISHED), list(HOROVOD_PUBLISHED.values()), "k*", ms=12,
-                    label="Horovod, published")
+            ax.plot(
+                list(HOROVOD_PUBLISHED),
+                list(HOROVOD_PUBLISHED.values()),
+                "k*",
+                ms=12,
+                label="Horovod, published",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("ranks (GPUs)")
         ax.set_title(panel, fontsize=9)
@@ -339,8 +394,10 @@ def print_table(rows) -> None:
     print("|---|---|" + "---:|" * len(ranks))
     for key in dict.fromkeys((r["model"], r["fabric"]) for r in rows):
         cells = {r["ranks"]: r for r in rows if (r["model"], r["fabric"]) == key}
-        text = [f"{100 * cells[p]['eff_no_overlap']:.0f} / {100 * cells[p]['eff_overlap']:.0f}"
-                for p in ranks]
+        text = [
+            f"{100 * cells[p]['eff_no_overlap']:.0f} / {100 * cells[p]['eff_overlap']:.0f}"
+            for p in ranks
+        ]
         print(f"| {key[0]} | {key[1]} | {' | '.join(text)} |")
 
 
@@ -350,15 +407,21 @@ def print_beside_horovod(fabrics, compute_s, args, intra) -> None:
     ranks = (8, 64, 512)
     sub = argparse.Namespace(**dict(vars(args), ranks=list(ranks)))
     rows = predict(fabrics, {"resnet101": compute_s}, sub, intra)
-    print(f"beside Horovod: ResNet-101, {compute_s:g} s compute per step, efficiency % "
-          f"overlap (no overlap) at {', '.join(map(str, ranks))} ranks")
+    print(
+        f"beside Horovod: ResNet-101, {compute_s:g} s compute per step, efficiency % "
+        f"overlap (no overlap) at {', '.join(map(str, ranks))} ranks"
+    )
     for fab in fabrics:
         cells = {r["ranks"]: r for r in rows if r["fabric"] == fab.name}
-        text = ", ".join(f"{100 * cells[p]['eff_overlap']:.0f} "
-                         f"({100 * cells[p]['eff_no_overlap']:.0f})" for p in ranks)
+        text = ", ".join(
+            f"{100 * cells[p]['eff_overlap']:.0f} ({100 * cells[p]['eff_no_overlap']:.0f})"
+            for p in ranks
+        )
         print(f"  {fab.name:>10} ({fab.alpha * 1e6:.1f} us, {1e-9 / fab.beta:.4g} GB/s): {text}")
-    print(f"  {'Horovod':>10} published (25 GbE RoCE, Pascal GPUs): "
-          f"{', '.join(f'{v} % at {k}' for k, v in HOROVOD_PUBLISHED.items())}")
+    print(
+        f"  {'Horovod':>10} published (25 GbE RoCE, Pascal GPUs): "
+        f"{', '.join(f'{v} % at {k}' for k, v in HOROVOD_PUBLISHED.items())}"
+    )
 
 
 def main(argv=None) -> int:
@@ -370,16 +433,29 @@ def main(argv=None) -> int:
     m.add_argument("--repeats", type=int, default=15)
     m.add_argument("--min-time", type=float, default=0.02, help="seconds per sample, at least")
     p = sub.add_parser("predict", help="predict step time and efficiency")
-    p.add_argument("--measured", action="append", default=[], metavar="LABEL=JSON[:mpidp]",
-                   help="a fabric from a measure run (its raw mpi4py fit, or with :mpidp "
-                        "mpidp's)")
-    p.add_argument("--fabric", action="append", default=[], metavar="NAME=ALPHA_US,GBYTES_S",
-                   help="add or override a fabric (presets: nvlink, ib-hdr, 25gbe)")
+    p.add_argument(
+        "--measured",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON[:mpidp]",
+        help="a fabric from a measure run (its raw mpi4py fit, or with :mpidp mpidp's)",
+    )
+    p.add_argument(
+        "--fabric",
+        action="append",
+        default=[],
+        metavar="NAME=ALPHA_US,GBYTES_S",
+        help="add or override a fabric (presets: nvlink, ib-hdr, 25gbe)",
+    )
     p.add_argument("--only", default="", help="comma-separated fabric names to keep")
     p.add_argument("--compute-resnet50", type=float, default=0.2)
     p.add_argument("--compute-resnet101", type=float, default=0.4)
-    p.add_argument("--horovod-compute", type=float, default=0.62,
-                   help="ResNet-101 s/step on Horovod's GPUs (64 images / (1656.82 / 16) img/s)")
+    p.add_argument(
+        "--horovod-compute",
+        type=float,
+        default=0.62,
+        help="ResNet-101 s/step on Horovod's GPUs (64 images / (1656.82 / 16) img/s)",
+    )
     p.add_argument("--backward-fraction", type=float, default=2.0 / 3.0)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--algo", choices=("ring", "rd"), default="ring")
@@ -392,22 +468,28 @@ def main(argv=None) -> int:
     if args.cmd == "measure":
         result = measure(DEFAULT_SIZES, args.repeats, args.min_time)
         from mpi4py import MPI
+
         if MPI.COMM_WORLD.Get_rank() == 0:
             result["label"] = args.label
-            result["env"] = {k: v for k, v in os.environ.items()
-                             if k.startswith(("MPIR_CVAR_", "FI_", "UCX_"))}
+            result["env"] = {
+                k: v for k, v in os.environ.items() if k.startswith(("MPIR_CVAR_", "FI_", "UCX_"))
+            }
             print(f"{result['library']}, np={result['np']}, env={result['env']}")
             print("| bytes | mpi4py min | mpi4py median | mpidp min | mpidp median |")
             print("|---:|---:|---:|---:|---:|")
             raw, ours = result["mpi4py"], result["mpidp"]
             for i, n in enumerate(result["sizes"]):
-                print(f"| {n} | {raw['times'][i] * 1e6:.1f} us | {raw['medians'][i] * 1e6:.1f} us "
-                      f"| {ours['times'][i] * 1e6:.1f} us | {ours['medians'][i] * 1e6:.1f} us |")
+                print(
+                    f"| {n} | {raw['times'][i] * 1e6:.1f} us | {raw['medians'][i] * 1e6:.1f} us "
+                    f"| {ours['times'][i] * 1e6:.1f} us | {ours['medians'][i] * 1e6:.1f} us |"
+                )
             for contender in ("mpi4py", "mpidp"):
                 f = result[contender]["fit"]
-                print(f"{contender}: alpha={f['alpha'] * 1e6:.2f} us  "
-                      f"beta=1/({f['gbytes_per_s']:.2f} GB/s)  R2={f['r2']:.4f}  "
-                      f"median|rel err|={f['median_rel_err']:.2f}  max={f['max_rel_err']:.2f}")
+                print(
+                    f"{contender}: alpha={f['alpha'] * 1e6:.2f} us  "
+                    f"beta=1/({f['gbytes_per_s']:.2f} GB/s)  R2={f['r2']:.4f}  "
+                    f"median|rel err|={f['median_rel_err']:.2f}  max={f['max_rel_err']:.2f}"
+                )
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump(result, fh, indent=1)
@@ -430,27 +512,38 @@ def main(argv=None) -> int:
     rows = predict(list(fabrics.values()), compute, args, intra)
     # Horovod's own set-up: ResNet-101, Pascal GPUs (compute from its 16-GPU throughput), 25 GbE.
     hvd_compute = args.horovod_compute
-    hvd_rows = predict([fabrics["25gbe"] if "25gbe" in fabrics else PRESETS["25gbe"]],
-                       {"resnet101": hvd_compute}, args, intra)
+    hvd_rows = predict(
+        [fabrics["25gbe"] if "25gbe" in fabrics else PRESETS["25gbe"]],
+        {"resnet101": hvd_compute},
+        args,
+        intra,
+    )
     for row in hvd_rows:
         row["model"] = f"{HOROVOD_PANEL} ({hvd_compute:g} s compute)"
     hier = f" (hierarchical, intra-node {intra.name})" if args.gpus_per_node > 1 else ""
-    print(f"algo={args.algo} gpus_per_node={args.gpus_per_node}{hier} bucket={args.bucket_mb} MB "
-          f"backward={args.backward_fraction:.2f} compute={compute}")
+    print(
+        f"algo={args.algo} gpus_per_node={args.gpus_per_node}{hier} bucket={args.bucket_mb} MB "
+        f"backward={args.backward_fraction:.2f} compute={compute}"
+    )
     for fab in fabrics.values():
         print(f"  {fab.name}: alpha={fab.alpha * 1e6:.2f} us, {1e-9 / fab.beta:.3f} GB/s")
     print("efficiency %, no overlap / overlap")
     print_table(rows + hvd_rows)
-    print(f"Horovod published (ResNet-101, Pascal GPUs, 25 GbE RoCE): "
-          f"{', '.join(f'{v} % at {k}' for k, v in HOROVOD_PUBLISHED.items())} GPUs")
+    print(
+        f"Horovod published (ResNet-101, Pascal GPUs, 25 GbE RoCE): "
+        f"{', '.join(f'{v} % at {k}' for k, v in HOROVOD_PUBLISHED.items())} GPUs"
+    )
     print_beside_horovod(list(fabrics.values()), hvd_compute, args, intra)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         write_csv(rows + hvd_rows, os.path.splitext(args.out)[0] + ".csv")
-        write_plot(rows + hvd_rows, args.out,
-                   f"model, weak scaling: {args.algo} allreduce, {args.bucket_mb:g} MB buckets, "
-                   f"backward {args.backward_fraction:.2f} of compute, gpus/node "
-                   f"{args.gpus_per_node}; compute s/step {compute}")
+        write_plot(
+            rows + hvd_rows,
+            args.out,
+            f"model, weak scaling: {args.algo} allreduce, {args.bucket_mb:g} MB buckets, "
+            f"backward {args.backward_fraction:.2f} of compute, gpus/node "
+            f"{args.gpus_per_node}; compute s/step {compute}",
+        )
         print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.csv")
     return 0
 

@@ -31,8 +31,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import MODELS, setup_gloo  # noqa: E402
 
-NAMES = ["DistributedOptimizer", "ShardedOptimizer stage 1", "ShardedOptimizer stage 2",
-         "ZeroRedundancyOptimizer (gloo)"]
+NAMES = [
+    "DistributedOptimizer",
+    "ShardedOptimizer stage 1",
+    "ShardedOptimizer stage 2",
+    "ZeroRedundancyOptimizer (gloo)",
+]
 
 
 def adam(params):
@@ -42,6 +46,7 @@ def adam(params):
 def build(name, base):
     """(model, optimizer, the torch optimizer that holds this rank's state)."""
     import mpidp
+
     model = copy.deepcopy(base)
     if name == "DistributedOptimizer":
         inner = adam(model.parameters())
@@ -51,14 +56,19 @@ def build(name, base):
         opt = mpidp.ShardedOptimizer(inner, model.named_parameters(), stage=int(name[-1]))
         return model, opt, inner
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
     return ddp, opt, opt.optim
 
 
 def state_bytes(inner) -> int:
-    return sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(
+        v.numel() * v.element_size()
+        for s in inner.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def step(model, opt, x, y) -> float:
@@ -81,7 +91,7 @@ def bench(model_name, names, comm, rounds, steps):
         for _ in range(2):
             step(*runners[n][:2], x, y)
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             comm.Barrier()
             times[n] += [step(*runners[n][:2], x, y) for _ in range(steps)]
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
@@ -98,10 +108,14 @@ def report(model_name, med, held, largest, size):
     full = held["DistributedOptimizer"]
     bound = full / size + 2 * largest  # two state tensors of the largest parameter
     for n in ("ShardedOptimizer stage 1", "ShardedOptimizer stage 2"):
-        print(f"  {n}: state / bound {held[n] / bound:6.3f} (goal <= 1; bound = unsharded/N "
-              f"+ largest parameter's state = {bound / 2**20:.1f} MB)")
-        print(f"  {n} / DistributedOptimizer  {med[n] / med['DistributedOptimizer']:6.3f} "
-              f"(goal <= 1.05)")
+        print(
+            f"  {n}: state / bound {held[n] / bound:6.3f} (goal <= 1; bound = unsharded/N "
+            f"+ largest parameter's state = {bound / 2**20:.1f} MB)"
+        )
+        print(
+            f"  {n} / DistributedOptimizer  {med[n] / med['DistributedOptimizer']:6.3f} "
+            f"(goal <= 1.05)"
+        )
         print(f"  {n} / ZeroRedundancyOptimizer {med[n] / med[NAMES[3]]:6.3f} (goal < 1)")
 
 
@@ -110,8 +124,19 @@ def rss_driver(np_, models, steps):
     print(f"peak RSS per rank (max over ranks), np={np_}, {steps} steps after building")
     for model_name in models.split(","):
         for n in NAMES:
-            cmd = ["mpiexec", "-n", str(np_), sys.executable, os.path.abspath(__file__),
-                   "--only", n, "--models", model_name, "--steps", str(steps)]
+            cmd = [
+                "mpiexec",
+                "-n",
+                str(np_),
+                sys.executable,
+                os.path.abspath(__file__),
+                "--only",
+                n,
+                "--models",
+                model_name,
+                "--steps",
+                str(steps),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             mb = re.search(r"RSS ([\d.]+)", out).group(1)
             print(f"  {model_name:10s} {n:32s} {float(mb):8.1f} MB")
@@ -128,9 +153,11 @@ def main():
     args = parser.parse_args()
     if args.rss:
         return rss_driver(args.np, args.models, args.steps)
-    from mpi4py import MPI
     import torch.distributed as dist
+    from mpi4py import MPI
+
     import mpidp
+
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     mpidp.init()

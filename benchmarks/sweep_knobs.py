@@ -33,8 +33,12 @@ SWEEPS = {
     "fuse_below": ("MPIDP_FUSE_BELOW_BYTES", [16 * 1024, 64 * 1024, 256 * 1024, MB], "data", {}),
     # At the default fuse_below (64 KB) ResNet-18 fuses only ~110 KB, so the threshold is inert;
     # sweep it with every tensor eligible for fusion (Horovod's policy) to see what it buys.
-    "threshold": ("MPIDP_FUSION_THRESHOLD_BYTES", [MB, 4 * MB, 16 * MB, 64 * MB], "data",
-                  {"MPIDP_FUSE_BELOW_BYTES": 128 * MB}),
+    "threshold": (
+        "MPIDP_FUSION_THRESHOLD_BYTES",
+        [MB, 4 * MB, 16 * MB, 64 * MB],
+        "data",
+        {"MPIDP_FUSE_BELOW_BYTES": 128 * MB},
+    ),
     "chunk": ("MPIDP_CHUNK_BYTES", [MB, 4 * MB, 16 * MB, 0], "data", {}),
     "cycle": ("MPIDP_CYCLE_TIME_MS", [0, 0.5, 1], "cycle", {}),
     "bucket": ("MPIDP_BUCKET_BYTES", [MB, 4 * MB, 25 * MB, 0], "data", {}),
@@ -84,10 +88,17 @@ def wait_quiet(max_load, max_wait):
         if busy < 0.05 and load < 2 * max_load or recent_self and busy < 0.10:
             return {"load1": load, "busy": busy, "waited_s": round(time.time() - start)}
         if time.time() - start > max_wait:
-            print(f"  machine not quiet after {max_wait:.0f} s (load {load}, busy "
-                  f"{100 * busy:.0f} %); launching anyway", flush=True)
-            return {"load1": load, "busy": busy, "waited_s": round(time.time() - start),
-                    "not_quiet": True}
+            print(
+                f"  machine not quiet after {max_wait:.0f} s (load {load}, busy "
+                f"{100 * busy:.0f} %); launching anyway",
+                flush=True,
+            )
+            return {
+                "load1": load,
+                "busy": busy,
+                "waited_s": round(time.time() - start),
+                "not_quiet": True,
+            }
         print(f"  load {load:.2f}, busy {100 * busy:.0f} %: waiting", flush=True)
         time.sleep(20)
 
@@ -98,9 +109,21 @@ def launch(extra_args, env_over, out_json, args):
     bindir = os.path.dirname(sys.executable)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = ["timeout", "-k", "10", "300", os.path.join(bindir, "mpiexec"), "-n", str(args.np),
-           os.path.join(bindir, "python"), os.path.join(HERE, "allreduce.py"),
-           "--rounds", str(args.rounds), "--json", out_json] + extra_args
+    cmd = [
+        "timeout",
+        "-k",
+        "10",
+        "300",
+        os.path.join(bindir, "mpiexec"),
+        "-n",
+        str(args.np),
+        os.path.join(bindir, "python"),
+        os.path.join(HERE, "allreduce.py"),
+        "--rounds",
+        str(args.rounds),
+        "--json",
+        out_json,
+    ] + extra_args
     for attempt in range(3):
         gate = wait_quiet(args.max_load, args.max_wait)
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -119,16 +142,32 @@ def launch(extra_args, env_over, out_json, args):
         foreign = max(0.0, (b1 - b0) / hz - mine) / (w1 - w0)  # cores used by others
         with open(out_json) as f:
             res = json.load(f)
-        res["launch"] = dict(gate, foreign_cores=round(foreign, 3), wall_s=round(w1 - w0, 1),
-                             env=env_over, cmd=" ".join(
-                                 [f"{k}={v}" for k, v in env_over.items()] +
-                                 ["mpiexec", "-n", str(args.np), "python",
-                                  "benchmarks/allreduce.py", "--rounds", str(args.rounds)]
-                                 + [a if a else "''" for a in extra_args]))
+        res["launch"] = dict(
+            gate,
+            foreign_cores=round(foreign, 3),
+            wall_s=round(w1 - w0, 1),
+            env=env_over,
+            cmd=" ".join(
+                [f"{k}={v}" for k, v in env_over.items()]
+                + [
+                    "mpiexec",
+                    "-n",
+                    str(args.np),
+                    "python",
+                    "benchmarks/allreduce.py",
+                    "--rounds",
+                    str(args.rounds),
+                ]
+                + [a if a else "''" for a in extra_args]
+            ),
+        )
         with open(out_json, "w") as f:
             json.dump(res, f, indent=1)
-        print(f"  {res['launch']['cmd']}: {w1 - w0:.1f} s, load {gate['load1']:.2f}, "
-              f"others used {foreign:.2f} cores", flush=True)
+        print(
+            f"  {res['launch']['cmd']}: {w1 - w0:.1f} s, load {gate['load1']:.2f}, "
+            f"others used {foreign:.2f} cores",
+            flush=True,
+        )
         if foreign <= args.max_foreign:
             return res
         print("  disturbed by other processes: again", flush=True)
@@ -149,11 +188,13 @@ def aggregate(runs):
         raws = {lab: v for lab, v in medians.items() if lab.startswith("raw")}
         best = min(raws, key=raws.get)
         agg["cases"][name] = {
-            "median_s": medians, "best_raw": best,
+            "median_s": medians,
+            "best_raw": best,
             "ratio_of_medians": medians["mpidp"] / raws[best],
             "median_ratio": med([c["ratio"] for c in cs]),
             "ratios": [c["ratio"] for c in cs],
-            "best_raw_per_launch": [c["best_raw"] for c in cs]}
+            "best_raw_per_launch": [c["best_raw"] for c in cs],
+        }
     if "latency4" in runs[0]:
         agg["latency4"] = {k: med([r["latency4"][k] for r in runs]) for k in runs[0]["latency4"]}
         agg["latency4_per_launch"] = [r["latency4"]["mpidp"] for r in runs]
@@ -173,29 +214,36 @@ def ms(s):
 
 
 def print_final(agg):
-    labels = ["mpidp", "raw_per_tensor", "raw_fused", "raw_fused_4M", "raw_hybrid",
-              "raw_chunk_4M"]
+    labels = ["mpidp", "raw_per_tensor", "raw_fused", "raw_fused_4M", "raw_hybrid", "raw_chunk_4M"]
     print(f"\nmedians of {agg['launches']} launches (ms)")
     print("| case | " + " | ".join(labels) + " | best raw | mpidp / best raw |")
     print("|---|" + "---:|" * (len(labels) + 2))
     for name, c in agg["cases"].items():
         m = c["median_s"]
         cells = " | ".join(f"{m[lab] * 1e3:.3f}" if lab in m else "–" for lab in labels)
-        print(f"| {name} | {cells} | {c['best_raw']} | {c['median_ratio']:.2f} "
-              f"({', '.join(f'{r:.2f}' for r in c['ratios'])}) |")
+        print(
+            f"| {name} | {cells} | {c['best_raw']} | {c['median_ratio']:.2f} "
+            f"({', '.join(f'{r:.2f}' for r in c['ratios'])}) |"
+        )
     if "latency4" in agg:
         lat = agg["latency4"]
-        print(f"latency 4 B: mpidp {lat['mpidp'] * 1e6:.1f} us "
-              f"(p90 {lat['mpidp_p90'] * 1e6:.1f}), raw {lat['raw'] * 1e6:.1f} us; per launch "
-              f"{[round(x * 1e6, 1) for x in agg['latency4_per_launch']]}")
+        print(
+            f"latency 4 B: mpidp {lat['mpidp'] * 1e6:.1f} us "
+            f"(p90 {lat['mpidp_p90'] * 1e6:.1f}), raw {lat['raw'] * 1e6:.1f} us; per launch "
+            f"{[round(x * 1e6, 1) for x in agg['latency4_per_launch']]}"
+        )
     if "idle_engine_core_frac" in agg:
-        print(f"idle engine: {100 * agg['idle_engine_core_frac']:.2f} % of a core (worst rank, "
-              f"median of launches); per launch "
-              f"{[[round(100 * x, 2) for x in r] for r in agg['idle_per_launch']]}")
+        print(
+            f"idle engine: {100 * agg['idle_engine_core_frac']:.2f} % of a core (worst rank, "
+            f"median of launches); per launch "
+            f"{[[round(100 * x, 2) for x in r] for r in agg['idle_per_launch']]}"
+        )
     if "wake4_median" in agg:
-        print(f"4 B allreduce after 0.2 s idle: median {agg['wake4_median'] * 1e6:.0f} us, "
-              f"max {agg['wake4_max'] * 1e6:.0f} us; raw MPI the same way "
-              f"{agg['wake4_raw_median'] * 1e6:.0f} us")
+        print(
+            f"4 B allreduce after 0.2 s idle: median {agg['wake4_median'] * 1e6:.0f} us, "
+            f"max {agg['wake4_max'] * 1e6:.0f} us; raw MPI the same way "
+            f"{agg['wake4_raw_median'] * 1e6:.0f} us"
+        )
 
 
 def main():
@@ -205,22 +253,36 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--knobs", default=",".join(SWEEPS))
-    ap.add_argument("--values", help="comma-separated values overriding the list of a single "
-                    "knob given with --knobs (bytes for the *_BYTES knobs)")
+    ap.add_argument(
+        "--values",
+        help="comma-separated values overriding the list of a single "
+        "knob given with --knobs (bytes for the *_BYTES knobs)",
+    )
     ap.add_argument("--max-load", type=float, default=0.7)
     ap.add_argument("--max-wait", type=float, default=600)
-    ap.add_argument("--max-foreign", type=float, default=0.15,
-                    help="cores used by other processes during a launch before it is redone")
+    ap.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.15,
+        help="cores used by other processes during a launch before it is redone",
+    )
     ap.add_argument("--out", default="/tmp/mpidp-bench")
-    ap.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
-                    help="final mode: set this knob variable for every launch (repeatable)")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="final mode: set this knob variable for every launch (repeatable)",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
     if args.mode == "final":
         env = dict(item.split("=", 1) for item in args.env)
-        runs = [launch(MODE_ARGS["final"], env, os.path.join(args.out, f"final.{i}.json"), args)
-                for i in range(args.launches)]
+        runs = [
+            launch(MODE_ARGS["final"], env, os.path.join(args.out, f"final.{i}.json"), args)
+            for i in range(args.launches)
+        ]
         agg = aggregate(runs)
         print_final(agg)
         with open(os.path.join(args.out, "final.json"), "w") as f:
@@ -234,23 +296,33 @@ def main():
             values = [float(v) if "." in v else int(v) for v in args.values.split(",")]
         print(f"== {knob} ({var}) {values} {held or ''}", flush=True)
         for value in values:
-            runs = [launch(MODE_ARGS[mode], dict(held, **{var: value}),
-                           os.path.join(args.out, f"{knob}.{value}.{i}.json"), args)
-                    for i in range(args.launches)]
+            runs = [
+                launch(
+                    MODE_ARGS[mode],
+                    dict(held, **{var: value}),
+                    os.path.join(args.out, f"{knob}.{value}.{i}.json"),
+                    args,
+                )
+                for i in range(args.launches)
+            ]
             agg = aggregate(runs)
             table[f"{var}={value}"] = agg
             row = [f"{var}={value}"]
             for name, c in agg["cases"].items():
-                row.append(f"{name}: mpidp {ms(c['median_s']['mpidp'])} ms, "
-                           f"best raw "
-                           f"{ms(min(v for k, v in c['median_s'].items() if k != 'mpidp'))}"
-                           f" ms ({c['best_raw']}), ratio {c['median_ratio']:.2f}")
+                row.append(
+                    f"{name}: mpidp {ms(c['median_s']['mpidp'])} ms, "
+                    f"best raw "
+                    f"{ms(min(v for k, v in c['median_s'].items() if k != 'mpidp'))}"
+                    f" ms ({c['best_raw']}), ratio {c['median_ratio']:.2f}"
+                )
             if "latency4" in agg:
                 row.append(f"lat4 {agg['latency4']['mpidp'] * 1e6:.0f} us")
             if "wake4_median" in agg:
-                row.append(f"after idle {agg['wake4_median'] * 1e6:.0f} us "
-                           f"(max {agg['wake4_max'] * 1e6:.0f}; raw "
-                           f"{agg['wake4_raw_median'] * 1e6:.0f})")
+                row.append(
+                    f"after idle {agg['wake4_median'] * 1e6:.0f} us "
+                    f"(max {agg['wake4_max'] * 1e6:.0f}; raw "
+                    f"{agg['wake4_raw_median'] * 1e6:.0f})"
+                )
             if "idle_engine_core_frac" in agg:
                 row.append(f"idle {100 * agg['idle_engine_core_frac']:.2f} %")
             print("  " + "; ".join(row), flush=True)

@@ -35,9 +35,11 @@ def timed(fn, reps: int) -> float:
 def fsdp_step_fn(group, seed: int):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[layer for _ in range(4) for layer in
-                                  (torch.nn.Linear(512, 512), torch.nn.ReLU())])
+    model = torch.nn.Sequential(
+        *[layer for _ in range(4) for layer in (torch.nn.Linear(512, 512), torch.nn.ReLU())]
+    )
     mesh = DeviceMesh.from_group(group, "cpu")
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -50,6 +52,7 @@ def fsdp_step_fn(group, seed: int):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+
     return step
 
 
@@ -75,15 +78,16 @@ def main():
     rows = {
         "4 B all_reduce, mpidp group (us)": lambda: dist.all_reduce(small, group=ours),
         "4 B all_reduce, gloo group (us)": lambda: dist.all_reduce(small, group=gloo),
-        "4 B mpidp.allreduce_ (us)": lambda: mpidp.allreduce_(small, name="bench.4b",
-                                                              op=mpidp.Sum),
+        "4 B mpidp.allreduce_ (us)": lambda: mpidp.allreduce_(small, name="bench.4b", op=mpidp.Sum),
         "4 B raw MPI Allreduce (us)": lambda: raw.Allreduce(MPI.IN_PLACE, small_np),
         "64 MB all_reduce, mpidp group (ms)": lambda: dist.all_reduce(big, group=ours),
         "64 MB all_reduce, gloo group (ms)": lambda: dist.all_reduce(big, group=gloo),
         "64 MB raw MPI Allreduce (ms)": lambda: raw.Allreduce(MPI.IN_PLACE, big_np),
     }
-    steps = {"FSDP2 step, mpidp group (ms)": fsdp_step_fn(ours, 0),
-             "FSDP2 step, gloo group (ms)": fsdp_step_fn(gloo, 0)}
+    steps = {
+        "FSDP2 step, mpidp group (ms)": fsdp_step_fn(ours, 0),
+        "FSDP2 step, gloo group (ms)": fsdp_step_fn(gloo, 0),
+    }
     times = {k: [] for k in list(rows) + list(steps)}
     for fn in list(rows.values()) + list(steps.values()):  # warm-up: caches, allocations
         for _ in range(3):
@@ -99,17 +103,32 @@ def main():
     med = {k: statistics.median(v) for k, v in times.items()}
     med = {k: max(v) for k, v in zip(med, zip(*comm.allgather(list(med.values()))))}
     if comm.rank == 0:
-        print(f"torch.distributed, np={comm.size}, 1 torch thread per rank, medians of "
-              f"{args.rounds} rounds")
+        print(
+            f"torch.distributed, np={comm.size}, 1 torch thread per rank, medians of "
+            f"{args.rounds} rounds"
+        )
         for k, v in med.items():
             print(f"  {k:38s} {v * (1e6 if '(us)' in k else 1e3):10.1f}")
         for label, a, b, goal in (
-                ("4 B mpidp group / raw MPI", "4 B all_reduce, mpidp group (us)",
-                 "4 B raw MPI Allreduce (us)", ""),
-                ("64 MB mpidp group / raw MPI", "64 MB all_reduce, mpidp group (ms)",
-                 "64 MB raw MPI Allreduce (ms)", "(goal <= 1.05)"),
-                ("FSDP2 mpidp / gloo", "FSDP2 step, mpidp group (ms)",
-                 "FSDP2 step, gloo group (ms)", "(goal <= 0.80)")):
+            (
+                "4 B mpidp group / raw MPI",
+                "4 B all_reduce, mpidp group (us)",
+                "4 B raw MPI Allreduce (us)",
+                "",
+            ),
+            (
+                "64 MB mpidp group / raw MPI",
+                "64 MB all_reduce, mpidp group (ms)",
+                "64 MB raw MPI Allreduce (ms)",
+                "(goal <= 1.05)",
+            ),
+            (
+                "FSDP2 mpidp / gloo",
+                "FSDP2 step, mpidp group (ms)",
+                "FSDP2 step, gloo group (ms)",
+                "(goal <= 0.80)",
+            ),
+        ):
             print(f"  {label:38s} {med[a] / med[b]:10.3f}   {goal}")
     dist.destroy_process_group()
     mpidp.shutdown()

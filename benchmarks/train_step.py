@@ -48,6 +48,7 @@ def setup_gloo(comm):
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
     import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
+
     MPIDP_GROUP.append(dist.new_group(backend="mpidp"))
 
 
@@ -79,8 +80,11 @@ def contenders(build, comm, overlap_ab=False):
     m = copy.deepcopy(base)
     out.append(Contender("no communication", m, sgd(m)))
     m = copy.deepcopy(base)
-    out.append(Contender("mpidp", m, mpidp.DistributedOptimizer(
-        sgd(m), named_parameters=m.named_parameters())))
+    out.append(
+        Contender(
+            "mpidp", m, mpidp.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
+        )
+    )
     for mode in (("overlap", True), ("no overlap", False)) if overlap_ab else ():
         m = copy.deepcopy(base)
         opt = mpidp.DistributedOptimizer(sgd(m), named_parameters=m.named_parameters())
@@ -97,6 +101,7 @@ def contenders(build, comm, overlap_ab=False):
         for p in m.parameters():
             raw.Allreduce(MPI.IN_PLACE, p.grad.numpy())
             p.grad.div_(size)
+
     out.append(Contender("per-tensor MPI after backward", m, sgd(m), per_tensor))
     h = copy.deepcopy(base)
     small = [p for p in h.parameters() if p.numel() * 4 < 64 * 1024]
@@ -113,9 +118,10 @@ def contenders(build, comm, overlap_ab=False):
         for p in large:
             flat = p.grad.view(-1)
             for lo in range(0, flat.numel(), step):
-                part = flat[lo:lo + step]
+                part = flat[lo : lo + step]
                 raw.Allreduce(MPI.IN_PLACE, part.numpy())
                 part.div_(size)
+
     out.append(Contender("hybrid MPI after backward", h, sgd(h), hybrid))
     return out
 
@@ -129,7 +135,7 @@ def bench_model(name, comm, rounds, steps, overlap_ab):
         for _ in range(5):  # call's 4 names, mpidp/distributed/naming.py)
             c.step(x, y)
     for r in range(rounds):
-        order = runners[r % len(runners):] + runners[:r % len(runners)]
+        order = runners[r % len(runners) :] + runners[: r % len(runners)]
         for c in order:
             comm.Barrier()
             c.times += [c.step(x, y) for _ in range(steps)]
@@ -145,8 +151,11 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--json")
-    parser.add_argument("--overlap-ab", action="store_true",
-                        help="also mpidp with and without overlap, side by side")
+    parser.add_argument(
+        "--overlap-ab",
+        action="store_true",
+        help="also mpidp with and without overlap, side by side",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -156,8 +165,10 @@ def main():
     for name in args.models.split(","):
         results[name] = bench_model(name, comm, args.rounds, args.steps, args.overlap_ab)
     if comm.rank == 0:
-        print(f"train step, np={comm.size}, 1 torch thread per rank, medians of "
-              f"{args.rounds}x{args.steps} steps (ms)")
+        print(
+            f"train step, np={comm.size}, 1 torch thread per rank, medians of "
+            f"{args.rounds}x{args.steps} steps (ms)"
+        )
         for name, med in results.items():
             base, ours, ddp = med["no communication"], med["mpidp"], med["DDP (gloo)"]
             raw = min(med["per-tensor MPI after backward"], med["hybrid MPI after backward"])
@@ -171,8 +182,10 @@ def main():
             on_us = med["DDP (mpidp backend)"]
             print(f"  DDP (mpidp backend) / DDP (gloo) {on_us / ddp:8.3f}   (goal <= 0.80)")
             print(f"  DDP (mpidp backend) / mpidp      {on_us / ours:8.3f}   (goal <= 1.05)")
-            print(f"  scaling efficiency               {base / ours:8.3f}   (no communication "
-                  f"/ mpidp)")
+            print(
+                f"  scaling efficiency               {base / ours:8.3f}   (no communication "
+                f"/ mpidp)"
+            )
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(results, fh, indent=1)

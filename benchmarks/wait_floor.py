@@ -62,14 +62,17 @@ def main():
             engine_mpi.allreduce_band(control, band, True, lambda: None)
             pad(us / 2)
             data.Iallreduce(MPI.IN_PLACE, value, op=MPI.SUM).Wait()
+
         return op
 
     contenders = [("raw", lambda: data.Allreduce(MPI.IN_PLACE, value, op=MPI.SUM))]
-    contenders += [("band+data" if us == 0 else f"+{us:g}us", negotiated(us))
-                   for us in map(float, args.pads.split(","))]
+    contenders += [
+        ("band+data" if us == 0 else f"+{us:g}us", negotiated(us))
+        for us in map(float, args.pads.split(","))
+    ]
     got = {name: [] for name, _ in contenders}
     for r in range(args.rounds):
-        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
         for name, fn in order:
             got[name].append(timed(data, fn, args.iters))
     if data.Get_rank() == 0:
@@ -77,8 +80,10 @@ def main():
         print(f"# n={data.Get_size()}, {args.rounds} rounds of {args.iters} calls")
         for name, samples in got.items():
             med = statistics.median(samples)
-            print(f"{name:10s} {med * 1e6:8.1f} us  x{med / raw:5.1f} raw   rounds "
-                  + " / ".join(f"{s * 1e6:.1f}" for s in samples))
+            print(
+                f"{name:10s} {med * 1e6:8.1f} us  x{med / raw:5.1f} raw   rounds "
+                + " / ".join(f"{s * 1e6:.1f}" for s in samples)
+            )
     data.Free()
     control.Free()
 

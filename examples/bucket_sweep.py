@@ -67,8 +67,19 @@ from mpidp.runtime import observe
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_benchmark import cpu_count, resnet18  # noqa: E402  (the same ResNet-18)
 
-_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024 ** 2, "MB": 1024 ** 2,
-          "MIB": 1024 ** 2, "G": 1024 ** 3, "GB": 1024 ** 3, "GIB": 1024 ** 3}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1024,
+    "KIB": 1024,
+    "M": 1024**2,
+    "MB": 1024**2,
+    "MIB": 1024**2,
+    "G": 1024**3,
+    "GB": 1024**3,
+    "GIB": 1024**3,
+}
 
 
 def parse_size(text: str) -> int:
@@ -89,7 +100,7 @@ def parse_sizes(text: str):
 
 
 def human(nbytes: int) -> str:
-    for unit, scale in (("G", 1024 ** 3), ("M", 1024 ** 2), ("K", 1024)):
+    for unit, scale in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale}{unit}"
     return str(nbytes)
@@ -101,26 +112,41 @@ DEFAULT_SIZES = parse_sizes("0,64K,256K,1M,4M,16M,64M")
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("resnet18", "mlp"), default="resnet18")
-    parser.add_argument("--sizes", type=parse_sizes, default=DEFAULT_SIZES,
-                        help="fusion sizes in bytes, comma-separated, K/M/G suffixes (binary); "
-                             "0 = no fusion")
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=DEFAULT_SIZES,
+        help="fusion sizes in bytes, comma-separated, K/M/G suffixes (binary); 0 = no fusion",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="rounds over all settings")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per setting and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="per rank (default: 16 for resnet18, 32 for mlp)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per rank (default: 16 for resnet18, 32 for mlp)",
+    )
     parser.add_argument("--image-size", type=int, default=32, help="resnet18 input size")
     parser.add_argument("--mlp-width", type=int, default=1024, help="mlp: features per layer")
     parser.add_argument("--mlp-depth", type=int, default=6, help="mlp: hidden layers")
-    parser.add_argument("--chunk-bytes", type=parse_size, default=None,
-                        help="mpidp chunk_bytes for every setting (default: mpidp's; 0 = never "
-                             "chunk)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per rank (default: CPUs / ranks on this host)")
+    parser.add_argument(
+        "--chunk-bytes",
+        type=parse_size,
+        default=None,
+        help="mpidp chunk_bytes for every setting (default: mpidp's; 0 = never chunk)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: CPUs / ranks on this host)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--csv", default="out/bucket_sweep.csv")
-    parser.add_argument("--png", default="out/bucket_sweep.png",
-                        help="plot file; empty string: no plot")
+    parser.add_argument(
+        "--png", default="out/bucket_sweep.png", help="plot file; empty string: no plot"
+    )
     args = parser.parse_args()
     if args.batch_size is None:
         args.batch_size = 16 if args.model == "resnet18" else 32
@@ -160,8 +186,11 @@ def init_engine(size_bytes, args):
     """A fresh engine whose buckets and fusion buffers hold at most `size_bytes` (0: one
     operation and one allreduce per gradient)."""
     mpidp.shutdown()
-    knobs = {"bucket_bytes": size_bytes, "fusion_threshold_bytes": size_bytes,
-             "fuse_below_bytes": max(size_bytes, 1)}
+    knobs = {
+        "bucket_bytes": size_bytes,
+        "fusion_threshold_bytes": size_bytes,
+        "fuse_below_bytes": max(size_bytes, 1),
+    }
     if args.chunk_bytes is not None:
         knobs["chunk_bytes"] = args.chunk_bytes
     mpidp.init(**knobs)
@@ -176,8 +205,7 @@ def measure(setting, args, initial_state, data, target):
     model.load_state_dict(initial_state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if setting is not None:
-        optimizer = mpidp.DistributedOptimizer(optimizer,
-                                               named_parameters=model.named_parameters())
+        optimizer = mpidp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     def step():
         optimizer.zero_grad()
@@ -196,25 +224,47 @@ def measure(setting, args, initial_state, data, target):
     if window is None:
         return seconds, None
     counts = window.stop()
-    return seconds, {"engine_busy": window.comm_fraction,
-                     "bytes_per_step": counts["bytes"] / args.steps,
-                     "tensors_per_collective": counts["tensors_per_collective"]}
+    return seconds, {
+        "engine_busy": window.comm_fraction,
+        "bytes_per_step": counts["bytes"] / args.steps,
+        "tensors_per_collective": counts["tensors_per_collective"],
+    }
 
 
 def write_csv(path, rows):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["fusion_bytes", "step_ms", "samples_per_s", "comm_fraction", "ranks",
-                         "engine_busy", "bytes_per_step", "tensors_per_collective"])
+        writer.writerow(
+            [
+                "fusion_bytes",
+                "step_ms",
+                "samples_per_s",
+                "comm_fraction",
+                "ranks",
+                "engine_busy",
+                "bytes_per_step",
+                "tensors_per_collective",
+            ]
+        )
         for r in rows:
-            writer.writerow([r["fusion_bytes"], f"{r['step_ms']:.3f}", f"{r['samples_per_s']:.2f}",
-                             f"{r['comm_fraction']:.4f}", r["ranks"], f"{r['engine_busy']:.4f}",
-                             f"{r['bytes_per_step']:.0f}", f"{r['tensors_per_collective']:.2f}"])
+            writer.writerow(
+                [
+                    r["fusion_bytes"],
+                    f"{r['step_ms']:.3f}",
+                    f"{r['samples_per_s']:.2f}",
+                    f"{r['comm_fraction']:.4f}",
+                    r["ranks"],
+                    f"{r['engine_busy']:.4f}",
+                    f"{r['bytes_per_step']:.0f}",
+                    f"{r['tensors_per_collective']:.2f}",
+                ]
+            )
 
 
 def plot(path, rows, nocomm_ms, title):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -236,8 +286,13 @@ def plot(path, rows, nocomm_ms, title):
     ax.set_ylabel("step time (ms)", color="tab:blue")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
-    ax2.plot(xs, [r["comm_fraction"] for r in rows], "s--", color="tab:red",
-             label="communication fraction")
+    ax2.plot(
+        xs,
+        [r["comm_fraction"] for r in rows],
+        "s--",
+        color="tab:red",
+        label="communication fraction",
+    )
     ax2.set_ylabel("communication fraction 1 - t_nocomm / t_step", color="tab:red")
     low = min(0.0, min(r["comm_fraction"] for r in rows))
     ax2.set_ylim(low, max(0.5, max(r["comm_fraction"] for r in rows) * 1.15))
@@ -270,13 +325,18 @@ def main():
 
     settings = [None] + list(args.sizes)  # None: the no-communication baseline
     if rank == 0:
-        what = (f"resnet18 ({args.image_size}x{args.image_size} input)" if args.model == "resnet18"
-                else f"mlp ({args.mlp_depth} x {args.mlp_width})")
-        print(f"bucket sweep: {what}, {n_params / 1e6:.2f} M parameters in {len(grads)} "
-              f"tensors ({sum(grads) / 1e6:.1f} MB of gradients), batch {args.batch_size} per "
-              f"rank, {size} rank(s), {threads} torch thread(s) per rank; {args.rounds} rounds "
-              f"x {len(settings)} settings x {args.steps} steps", flush=True)
-
+        what = (
+            f"resnet18 ({args.image_size}x{args.image_size} input)"
+            if args.model == "resnet18"
+            else f"mlp ({args.mlp_depth} x {args.mlp_width})"
+        )
+        print(
+            f"bucket sweep: {what}, {n_params / 1e6:.2f} M parameters in {len(grads)} "
+            f"tensors ({sum(grads) / 1e6:.1f} MB of gradients), batch {args.batch_size} per "
+            f"rank, {size} rank(s), {threads} torch thread(s) per rank; {args.rounds} rounds "
+            f"x {len(settings)} settings x {args.steps} steps",
+            flush=True,
+        )
 
     # One untimed pass with and without communication: torch's and mpidp's first-use costs
     # (lazy imports, allocator growth, first negotiation) land here. Then freeze what exists:
@@ -297,8 +357,10 @@ def main():
             if counts is not None:
                 counters[setting].append(counts)
         if rank == 0:
-            print(f"round {rnd + 1}/{args.rounds} done ({time.perf_counter() - began:.0f} s)",
-                  flush=True)
+            print(
+                f"round {rnd + 1}/{args.rounds} done ({time.perf_counter() - began:.0f} s)",
+                flush=True,
+            )
 
     everyone = mpidp.allgather_object(times, name="bucket_sweep.times")
     mpidp.shutdown()
@@ -307,40 +369,57 @@ def main():
 
     def median_ms(setting):
         # Per round the slowest rank's time (ranks wait for each other), then the median.
-        return 1e3 * statistics.median(max(t[setting][r] for t in everyone)
-                                       for r in range(args.rounds))
+        return 1e3 * statistics.median(
+            max(t[setting][r] for t in everyone) for r in range(args.rounds)
+        )
 
     nocomm_ms = median_ms(None)
     rows = []
     for s in args.sizes:
         step_ms = median_ms(s)
-        row = {"fusion_bytes": s, "step_ms": step_ms,
-               "samples_per_s": args.batch_size * size / (step_ms / 1e3),
-               "comm_fraction": 1.0 - nocomm_ms / step_ms, "ranks": size}
+        row = {
+            "fusion_bytes": s,
+            "step_ms": step_ms,
+            "samples_per_s": args.batch_size * size / (step_ms / 1e3),
+            "comm_fraction": 1.0 - nocomm_ms / step_ms,
+            "ranks": size,
+        }
         for key in ("engine_busy", "bytes_per_step", "tensors_per_collective"):
             row[key] = statistics.median(c[key] for c in counters[s])  # rank 0's engine
         rows.append(row)
 
-    print(f"no communication: {nocomm_ms:.1f} ms/step "
-          f"({args.batch_size * size / (nocomm_ms / 1e3):.1f} samples/s)")
-    print(f"{'fusion':>8} {'fusable':>14} {'step ms':>9} {'samples/s':>10} "
-          f"{'comm fraction':>14} {'engine_busy':>11} {'MB_per_step':>11} {'tensors/coll':>12}")
+    print(
+        f"no communication: {nocomm_ms:.1f} ms/step "
+        f"({args.batch_size * size / (nocomm_ms / 1e3):.1f} samples/s)"
+    )
+    print(
+        f"{'fusion':>8} {'fusable':>14} {'step ms':>9} {'samples/s':>10} "
+        f"{'comm fraction':>14} {'engine_busy':>11} {'MB_per_step':>11} {'tensors/coll':>12}"
+    )
     for r in rows:
         s = r["fusion_bytes"]
         fusable = sum(1 for g in grads if g < s)
-        print(f"{human(s) if s else 'off':>8} {fusable:>8} of {len(grads):<3} {r['step_ms']:>9.1f} "
-              f"{r['samples_per_s']:>10.1f} {r['comm_fraction']:>14.3f} "
-              f"{r['engine_busy']:>11.3f} {r['bytes_per_step'] / 1e6:>11.1f} "
-              f"{r['tensors_per_collective']:>12.1f}")
+        print(
+            f"{human(s) if s else 'off':>8} {fusable:>8} of {len(grads):<3} {r['step_ms']:>9.1f} "
+            f"{r['samples_per_s']:>10.1f} {r['comm_fraction']:>14.3f} "
+            f"{r['engine_busy']:>11.3f} {r['bytes_per_step'] / 1e6:>11.1f} "
+            f"{r['tensors_per_collective']:>12.1f}"
+        )
     best = min(rows, key=lambda r: r["step_ms"])
-    print(f"fastest: {human(best['fusion_bytes']) if best['fusion_bytes'] else 'off'} "
-          f"({best['step_ms']:.1f} ms/step)")
+    print(
+        f"fastest: {human(best['fusion_bytes']) if best['fusion_bytes'] else 'off'} "
+        f"({best['step_ms']:.1f} ms/step)"
+    )
     write_csv(args.csv, rows)
     print(f"wrote {args.csv}")
     if args.png:
-        plot(args.png, rows, nocomm_ms,
-             f"{args.model}, {size} ranks, batch {args.batch_size}/rank, "
-             f"medians of {args.rounds} rounds")
+        plot(
+            args.png,
+            rows,
+            nocomm_ms,
+            f"{args.model}, {size} ranks, batch {args.batch_size}/rank, "
+            f"medians of {args.rounds} rounds",
+        )
         print(f"wrote {args.png}", flush=True)
 
 

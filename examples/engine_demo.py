@@ -25,8 +25,10 @@ def main():
     }
 
     # Submit many ops at once; the engine negotiates them together and fuses the small ones.
-    handles = [mpidp.allreduce_async(torch.full((1000,), float(i)), name=f"demo.async.{i}",
-                                     op=mpidp.Sum) for i in range(32)]
+    handles = [
+        mpidp.allreduce_async(torch.full((1000,), float(i)), name=f"demo.async.{i}", op=mpidp.Sum)
+        for i in range(32)
+    ]
     pending_at_submit = sum(not mpidp.poll(h) for h in handles)
     sums = [mpidp.synchronize(h)[0].item() for h in handles]
     assert sums == [float(i * size) for i in range(32)], sums
@@ -46,10 +48,14 @@ def main():
         print(f"mpidp engine demo: {size} ranks")
         for label, value in results.items():
             print(f"  {label:36s} {value.tolist()}")
-        print(f"  32 async allreduces: {pending_at_submit} still pending right after "
-              f"submission, all correct after synchronize")
-        print(f"  blocking 4-byte allreduce latency per rank (us): "
-              f"{[round(v, 1) for v in views.tolist()]}")
+        print(
+            f"  32 async allreduces: {pending_at_submit} still pending right after "
+            f"submission, all correct after synchronize"
+        )
+        print(
+            f"  blocking 4-byte allreduce latency per rank (us): "
+            f"{[round(v, 1) for v in views.tolist()]}"
+        )
     mpidp.shutdown()
 
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 import mpidp
 
-
 # ---- ResNet-18 (the layout of torchvision.models.resnet18; torchvision is not needed) ----
+
 
 def conv3x3(cin, cout, stride=1):
     return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
@@ -53,8 +53,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.downsample = None
         if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(cout))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x):
         identity = x if self.downsample is None else self.downsample(x)
@@ -101,23 +102,43 @@ def cpu_count() -> int:
 
 # ---- benchmark ----
 
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=16, help="images per rank per step")
-    parser.add_argument("--image-size", type=int, default=32,
-                        help="height = width of the random images (224 for ImageNet's)")
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=32,
+        help="height = width of the random images (224 for ImageNet's)",
+    )
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--num-warmup-batches", type=int, default=10,
-                        help="untimed steps before the first iteration")
-    parser.add_argument("--num-batches-per-iter", type=int, default=10,
-                        help="steps timed together as one iteration")
+    parser.add_argument(
+        "--num-warmup-batches",
+        type=int,
+        default=10,
+        help="untimed steps before the first iteration",
+    )
+    parser.add_argument(
+        "--num-batches-per-iter", type=int, default=10, help="steps timed together as one iteration"
+    )
     parser.add_argument("--num-iters", type=int, default=10, help="timed iterations")
-    parser.add_argument("--fp16-allreduce", action="store_true",
-                        help="send gradients as float16 (mpidp.Compression.fp16)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads per rank (default: CPUs / ranks on this host)")
-    parser.add_argument("--no-mpidp", action="store_true",
-                        help="no DistributedOptimizer, no broadcast: local training only")
+    parser.add_argument(
+        "--fp16-allreduce",
+        action="store_true",
+        help="send gradients as float16 (mpidp.Compression.fp16)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: CPUs / ranks on this host)",
+    )
+    parser.add_argument(
+        "--no-mpidp",
+        action="store_true",
+        help="no DistributedOptimizer, no broadcast: local training only",
+    )
     parser.add_argument("--seed", type=int, default=42)
     args = parser.parse_args()
     for name in ("batch_size", "image_size", "num_classes", "num_batches_per_iter", "num_iters"):
@@ -144,9 +165,9 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
     if not args.no_mpidp:
         compression = mpidp.Compression.fp16 if args.fp16_allreduce else mpidp.Compression.none
-        optimizer = mpidp.DistributedOptimizer(optimizer,
-                                               named_parameters=model.named_parameters(),
-                                               compression=compression)
+        optimizer = mpidp.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression
+        )
         mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
         mpidp.broadcast_optimizer_state(optimizer, root_rank=0, model=model)
 
@@ -165,13 +186,21 @@ def main():
             print(text, flush=True)
 
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"Model: resnet18 ({n_params / 1e6:.2f} M parameters in "
-        f"{len(list(model.parameters()))} tensors), input {args.image_size}x{args.image_size}")
+    log(
+        f"Model: resnet18 ({n_params / 1e6:.2f} M parameters in "
+        f"{len(list(model.parameters()))} tensors), input {args.image_size}x{args.image_size}"
+    )
     log(f"Batch size: {args.batch_size} per rank")
     log(f"Number of ranks: {size}, torch threads per rank: {threads}")
-    log("Gradient exchange: " + ("none (--no-mpidp)" if args.no_mpidp else
-                                 "mpidp.DistributedOptimizer"
-                                 + (", fp16 compression" if args.fp16_allreduce else "")))
+    log(
+        "Gradient exchange: "
+        + (
+            "none (--no-mpidp)"
+            if args.no_mpidp
+            else "mpidp.DistributedOptimizer"
+            + (", fp16 compression" if args.fp16_allreduce else "")
+        )
+    )
 
     log("Running warmup...")
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)

@@ -31,10 +31,17 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--checkpoint", default="out/train_digits.pt")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
-                        help="cuda: GPU local_rank %% count on each rank; auto: cuda if present")
-    parser.add_argument("--data", help="the digits as an .npz of `images` and `target` instead "
-                                       "of scikit-learn's copy (make gpu-wheels writes one)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="cpu",
+        help="cuda: GPU local_rank %% count on each rank; auto: cuda if present",
+    )
+    parser.add_argument(
+        "--data",
+        help="the digits as an .npz of `images` and `target` instead "
+        "of scikit-learn's copy (make gpu-wheels writes one)",
+    )
     return parser.parse_args()
 
 
@@ -45,8 +52,10 @@ def pick_device(choice):
     if choice == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is "
-                         "false); use --device cpu")
+        raise SystemExit(
+            "--device cuda: torch sees no GPU here (torch.cuda.is_available() is "
+            "false); use --device cpu"
+        )
     device = torch.device("cuda", mpidp.local_rank() % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
@@ -58,6 +67,7 @@ def datasets(seed, path=None):
             images, target = digits["images"], digits["target"]
     else:
         from sklearn.datasets import load_digits
+
         digits = load_digits()
         images, target = digits.images, digits.target
     x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -104,11 +114,15 @@ def main():
     device = pick_device(args.device)
 
     train_set, test_set = datasets(args.seed, args.data)
-    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
-                                 seed=args.seed)
+    sampler = DistributedSampler(
+        train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed
+    )
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-    test_loader = DataLoader(test_set, batch_size=256, sampler=DistributedSampler(
-        test_set, num_replicas=size, rank=rank, shuffle=False))
+    test_loader = DataLoader(
+        test_set,
+        batch_size=256,
+        sampler=DistributedSampler(test_set, num_replicas=size, rank=rank, shuffle=False),
+    )
 
     model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=0.9)
@@ -116,8 +130,9 @@ def main():
     start_epoch = 0
     if args.resume:
         try:  # rank 0 reads, every rank gets the model, optimizer state and its own RNG states
-            start_epoch = mpidp.checkpoint.load(args.checkpoint, model=model,
-                                                optimizer=optimizer)["epoch"]
+            start_epoch = mpidp.checkpoint.load(args.checkpoint, model=model, optimizer=optimizer)[
+                "epoch"
+            ]
         except mpidp.CheckpointNotFoundError:  # raised on every rank alike
             pass
     # Every rank starts from rank 0's weights and optimizer state (fresh or resumed).
@@ -126,9 +141,12 @@ def main():
     optimizer = mpidp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     if rank == 0:
-        print(f"training on {len(train_set)} digits with {size} rank(s) on {device.type}, "
-              f"{len(sampler)} samples per rank per epoch"
-              + (f", resuming after epoch {start_epoch}" if start_epoch else ""), flush=True)
+        print(
+            f"training on {len(train_set)} digits with {size} rank(s) on {device.type}, "
+            f"{len(sampler)} samples per rank per epoch"
+            + (f", resuming after epoch {start_epoch}" if start_epoch else ""),
+            flush=True,
+        )
     for epoch in range(start_epoch, args.epochs):
         began = time.perf_counter()
         model.train()
@@ -141,17 +159,21 @@ def main():
             loss = F.cross_entropy(out, y)
             loss.backward()
             optimizer.step()
-            totals += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(),
-                                    len(y)])
+            totals += torch.tensor(
+                [loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)]
+            )
         totals = mpidp.allreduce(totals, op=mpidp.Sum, name="train.totals")
         test_acc = evaluate(model, test_loader, device)
         os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
         # Collective; rank 0 writes atomically, so a crash mid-save keeps the previous one.
         mpidp.checkpoint.save(args.checkpoint, model=model, optimizer=optimizer, epoch=epoch + 1)
         if rank == 0:
-            print(f"epoch {epoch + 1:3d}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
-                  f"train acc {totals[1] / totals[2]:.4f}  test acc {test_acc:.4f}  "
-                  f"({time.perf_counter() - began:.2f} s)", flush=True)
+            print(
+                f"epoch {epoch + 1:3d}/{args.epochs}  loss {totals[0] / totals[2]:.4f}  "
+                f"train acc {totals[1] / totals[2]:.4f}  test acc {test_acc:.4f}  "
+                f"({time.perf_counter() - began:.2f} s)",
+                flush=True,
+            )
     mpidp.check_replicas(model)
     test_acc = evaluate(model, test_loader, device)
     if rank == 0:

@@ -3,8 +3,14 @@
 import logging
 import socket
 
-_LEVELS = {"trace": 5, "debug": logging.DEBUG, "info": logging.INFO,
-           "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
+_LEVELS = {
+    "trace": 5,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "fatal": logging.CRITICAL,
+}
 
 logger = logging.getLogger("mpidp")
 _handler = None

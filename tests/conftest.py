@@ -51,8 +51,10 @@ def _prune_stale(root, keep):
         if entry.name == keep:
             continue
         try:
-            if entry.is_dir(follow_symlinks=False) and \
-                    now - entry.stat().st_mtime > _STALE_LAUNCH_DIR_S:
+            if (
+                entry.is_dir(follow_symlinks=False)
+                and now - entry.stat().st_mtime > _STALE_LAUNCH_DIR_S
+            ):
                 shutil.rmtree(entry.path, ignore_errors=True)
         except OSError:
             pass

@@ -31,9 +31,17 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MATRIX = ["test_allreduce.py", "test_other_collectives.py", "test_optimizer.py",
-          "test_sync_batch_norm.py", "test_join_barrier.py", "test_process_sets.py",
-          "test_checkpoint.py", "test_cuda_streams.py", "test_torch_distributed.py"]
+MATRIX = [
+    "test_allreduce.py",
+    "test_other_collectives.py",
+    "test_optimizer.py",
+    "test_sync_batch_norm.py",
+    "test_join_barrier.py",
+    "test_process_sets.py",
+    "test_checkpoint.py",
+    "test_cuda_streams.py",
+    "test_torch_distributed.py",
+]
 QUICK_MATRIX = ["test_allreduce.py"]
 FACTS = r"""
 import json, torch, torch.distributed as dist
@@ -76,12 +84,23 @@ def run(cmd, env, timeout):
     """(rc, output, seconds) of a command run from the checkout's root."""
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
         rc, out = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as exc:
-        rc, out = 124, (exc.stdout or b"").decode(errors="replace") if isinstance(
-            exc.stdout, bytes) else (exc.stdout or "")
+        rc, out = (
+            124,
+            (exc.stdout or b"").decode(errors="replace")
+            if isinstance(exc.stdout, bytes)
+            else (exc.stdout or ""),
+        )
     return rc, out, time.monotonic() - start
 
 
@@ -108,8 +127,21 @@ def wheel(pattern):
 
 
 def install(whl, *where):
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    "--ignore-installed", *where, whl], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--ignore-installed",
+            *where,
+            whl,
+        ],
+        check=True,
+    )
 
 
 def bring_pytest_mpi(tmp):
@@ -133,8 +165,9 @@ def bring_mpich(tmp):
     prefix = os.path.join(tmp, "mpich")
     install(whl, "--prefix", prefix)
     for var, sub in (("PATH", "bin"), ("LD_LIBRARY_PATH", "lib")):
-        os.environ[var] = os.pathsep.join(p for p in (os.path.join(prefix, sub),
-                                                      os.environ.get(var, "")) if p)
+        os.environ[var] = os.pathsep.join(
+            p for p in (os.path.join(prefix, sub), os.environ.get(var, "")) if p
+        )
     # mpi4py's own wheels look in their interpreter's prefix first; this names the library.
     os.environ["MPI4PY_LIBMPI"] = os.path.join(prefix, "lib", "libmpi.so.12")
     return os.path.join(prefix, "bin", "mpiexec")
@@ -144,8 +177,9 @@ def closing_counts(out):
     """passed/failed/skipped/errors summed over the ranks' pytest closing lines."""
     counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     for line in out.splitlines():
-        if re.search(r" in [0-9.]+s", line) and re.search(r"\d+ (passed|failed|skipped|error)",
-                                                           line):
+        if re.search(r" in [0-9.]+s", line) and re.search(
+            r"\d+ (passed|failed|skipped|error)", line
+        ):
             for num, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)", line):
                 counts["errors" if what.startswith("error") else what] += int(num)
     return counts
@@ -154,55 +188,119 @@ def closing_counts(out):
 def matrix(device, paths, files, site, launcher):
     rows = []
     for path, n in paths:
-        cmd = [launcher, "-n", str(n), sys.executable, "-m", "pytest", "--with-mpi", "-q",
-               "-p", "no:cacheprovider", "--timeout=300", "--timeout-method=thread",
-               "-k", device] + [os.path.join("tests", "mpi", f) for f in files]
+        cmd = [
+            launcher,
+            "-n",
+            str(n),
+            sys.executable,
+            "-m",
+            "pytest",
+            "--with-mpi",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--timeout=300",
+            "--timeout-method=thread",
+            "-k",
+            device,
+        ] + [os.path.join("tests", "mpi", f) for f in files]
         rc, out, secs = run(cmd, env_with(site, MPIDP_BACKEND=path, OMP_NUM_THREADS=1), 1800)
         c = closing_counts(out)
         ok = rc == 0 and c["failed"] == 0 and c["errors"] == 0
-        rows.append({"what": f"tests on {device}, MPIDP_BACKEND={path}", "n": n, "ok": ok,
-                     "detail": f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} "
-                               f"skipped (summed over ranks), exit {rc}", "s": secs,
-                     "tail": "" if ok else out[-3000:]})
+        rows.append(
+            {
+                "what": f"tests on {device}, MPIDP_BACKEND={path}",
+                "n": n,
+                "ok": ok,
+                "detail": f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} "
+                f"skipped (summed over ranks), exit {rc}",
+                "s": secs,
+                "tail": "" if ok else out[-3000:],
+            }
+        )
     return rows
 
 
 def example(device, launcher, tmp, epochs):
-    cmd = [launcher, "-n", "2", sys.executable, "examples/train.py", "--device", device,
-           "--epochs", str(epochs), "--checkpoint", os.path.join(tmp, "train.pt")]
+    cmd = [
+        launcher,
+        "-n",
+        "2",
+        sys.executable,
+        "examples/train.py",
+        "--device",
+        device,
+        "--epochs",
+        str(epochs),
+        "--checkpoint",
+        os.path.join(tmp, "train.pt"),
+    ]
     data = wheel("digits.npz")  # GPU images have no scikit-learn (make gpu-wheels)
     if data is not None:
         cmd += ["--data", data]
     rc, out, secs = run(cmd, env_with(MPIDP_BACKEND="mpi"), 900)
     acc = re.findall(r"final test accuracy: ([0-9.]+)", out)
     ok = rc == 0 and bool(acc) and float(acc[-1]) > 0.5
-    return {"what": f"examples/train.py --device {device}, {epochs} epochs", "n": 2, "ok": ok,
-            "detail": f"final test accuracy {acc[-1] if acc else '?'}, exit {rc}"
-                      f"{f', digits from {data}' if data else ''}", "s": secs,
-            "tail": "" if ok else out[-3000:]}
+    return {
+        "what": f"examples/train.py --device {device}, {epochs} epochs",
+        "n": 2,
+        "ok": ok,
+        "detail": f"final test accuracy {acc[-1] if acc else '?'}, exit {rc}"
+        f"{f', digits from {data}' if data else ''}",
+        "s": secs,
+        "tail": "" if ok else out[-3000:],
+    }
 
 
 def benchmark(device, paths, launcher, tmp, rounds, steps):
     rows = []
     for path, n in paths:
         out_json = os.path.join(tmp, f"bench_{path}_{n}.json")
-        cmd = [launcher, "-n", str(n), sys.executable, "benchmarks/cuda_paths.py", "--device",
-               device, "--rounds", str(rounds), "--steps", str(steps), "--json", out_json]
+        cmd = [
+            launcher,
+            "-n",
+            str(n),
+            sys.executable,
+            "benchmarks/cuda_paths.py",
+            "--device",
+            device,
+            "--rounds",
+            str(rounds),
+            "--steps",
+            str(steps),
+            "--json",
+            out_json,
+        ]
         rc, out, secs = run(cmd, env_with(MPIDP_BACKEND=path), 900)
         if rc != 0 or not os.path.exists(out_json):
-            rows.append({"what": f"cuda_paths.py MPIDP_BACKEND={path}", "n": n, "ok": False,
-                         "detail": f"exit {rc}", "s": secs, "tail": out[-3000:]})
+            rows.append(
+                {
+                    "what": f"cuda_paths.py MPIDP_BACKEND={path}",
+                    "n": n,
+                    "ok": False,
+                    "detail": f"exit {rc}",
+                    "s": secs,
+                    "tail": out[-3000:],
+                }
+            )
             continue
         with open(out_json) as fh:
             r = json.load(fh)
         ms = r["ms"]
         mine = next(v for k, v in ms.items() if k.startswith("mpidp"))
         ddp = next(v for k, v in ms.items() if k.startswith("DDP"))
-        rows.append({"what": f"step, mpidp over {r['path']} vs DDP ({r['ddp']})", "n": n,
-                     "ok": True, "s": secs, "tail": "",
-                     "detail": f"no comm {ms['no communication']:.2f} ms, mpidp {mine:.2f} ms, "
-                               f"DDP {ddp:.2f} ms (mpidp/DDP {mine / ddp:.3f}); gradient set "
-                               f"allreduce {ms['allreduce of the gradient set']:.2f} ms"})
+        rows.append(
+            {
+                "what": f"step, mpidp over {r['path']} vs DDP ({r['ddp']})",
+                "n": n,
+                "ok": True,
+                "s": secs,
+                "tail": "",
+                "detail": f"no comm {ms['no communication']:.2f} ms, mpidp {mine:.2f} ms, "
+                f"DDP {ddp:.2f} ms (mpidp/DDP {mine / ddp:.3f}); gradient set "
+                f"allreduce {ms['allreduce of the gradient set']:.2f} ms",
+            }
+        )
     return rows
 
 
@@ -211,8 +309,10 @@ def table(found, rows):
     for key, value in found.items():
         lines.append(f"| found: {key} | | | {value} | |")
     for r in rows:
-        lines.append(f"| {r['what']} | {r['n']} | {'ok' if r['ok'] else 'FAILED'} | "
-                     f"{r['detail']} | {r['s']:.0f} |")
+        lines.append(
+            f"| {r['what']} | {r['n']} | {'ok' if r['ok'] else 'FAILED'} | "
+            f"{r['detail']} | {r['s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -221,10 +321,13 @@ def main():
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--quick", action="store_true", help="one test file, short runs")
     ap.add_argument("--out", help="also write the table here")
-    ap.add_argument("--bring-mpich", action="store_true",
-                    help="use the mpich wheel from $MPIDP_WHEELS or ./.whl (make gpu-wheels), "
-                         "installed into a temporary prefix, instead of an MPI found here; done "
-                         "anyway when no mpiexec or no MPI library mpi4py can load is found")
+    ap.add_argument(
+        "--bring-mpich",
+        action="store_true",
+        help="use the mpich wheel from $MPIDP_WHEELS or ./.whl (make gpu-wheels), "
+        "installed into a temporary prefix, instead of an MPI found here; done "
+        "anyway when no mpiexec or no MPI library mpi4py can load is found",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mpidp-gpu-check-") as tmp:
         return check(args, tmp)
@@ -246,28 +349,39 @@ def check(args, tmp):
         return 1
     gpus = len(found["GPUs"])
     if args.device == "cuda" and not gpus:
-        return stop(found, "no GPU here (torch.cuda.is_available() is false): nothing to run; "
-                           "`--device cpu` runs the same checks on host tensors", 0)
+        return stop(
+            found,
+            "no GPU here (torch.cuda.is_available() is false): nothing to run; "
+            "`--device cpu` runs the same checks on host tensors",
+            0,
+        )
     launcher = mpiexec()
     if args.bring_mpich or launcher is None or found["mpi4py"].startswith("unusable"):
         launcher = bring_mpich(tmp)
         if launcher is None:
-            return stop(found, "no usable MPI here (mpiexec, or mpi4py's MPI library) and no "
-                               "mpich wheel in $MPIDP_WHEELS or ./.whl: bring one (make "
-                               "gpu-wheels) and run again", 1)
+            return stop(
+                found,
+                "no usable MPI here (mpiexec, or mpi4py's MPI library) and no "
+                "mpich wheel in $MPIDP_WHEELS or ./.whl: bring one (make "
+                "gpu-wheels) and run again",
+                1,
+            )
         found = facts()
         found["mpiexec"] = f"{launcher} (the mpich wheel, brought)"
     if "error" in found or found["mpi4py"].startswith("unusable"):
-        return stop(found, f"mpi4py cannot use the MPI library: "
-                           f"{found.get('error', found['mpi4py'])}", 1)
+        return stop(
+            found, f"mpi4py cannot use the MPI library: {found.get('error', found['mpi4py'])}", 1
+        )
     for key, value in found.items():
         print(f"  {key}: {value}")
     site = ""
     if found["pytest-mpi"] == "missing":
         site = bring_pytest_mpi(tmp)
         if site is None:
-            print("pytest-mpi is missing and no wheel of it was found in $MPIDP_WHEELS or "
-                  "./.whl: bring one (make gpu-wheels) and run again")
+            print(
+                "pytest-mpi is missing and no wheel of it was found in $MPIDP_WHEELS or "
+                "./.whl: bring one (make gpu-wheels) and run again"
+            )
             return 1
     paths = [("mpi", 1), ("mpi", 2), ("gloo", 2)]
     if args.device == "cuda" and found["NCCL"][:1].isdigit():
@@ -278,8 +392,9 @@ def check(args, tmp):
     bench_paths = [(p, n) for p, n in paths if n == 2]
     if args.device == "cuda" and gpus < 2 and ("nccl", 2) in bench_paths:
         bench_paths[bench_paths.index(("nccl", 2))] = ("nccl", 1)  # one GPU: one rank
-    rows += benchmark(args.device, bench_paths, launcher, tmp,
-                      1 if args.quick else 5, 2 if args.quick else 5)
+    rows += benchmark(
+        args.device, bench_paths, launcher, tmp, 1 if args.quick else 5, 2 if args.quick else 5
+    )
     report = table(found, rows)
     print(report)
     for r in rows:

@@ -89,8 +89,12 @@ def classify_main(stack, mode):
         return "optimizer step (SGD)", ""
     if has(stack, "zero_grad"):
         return "zero_grad", ""
-    if has(stack, "cross_entropy") or has(stack, "_call_impl") or has(stack, "forward") or \
-            has(stack, "_wrapped_call_impl"):
+    if (
+        has(stack, "cross_entropy")
+        or has(stack, "_call_impl")
+        or has(stack, "forward")
+        or has(stack, "_wrapped_call_impl")
+    ):
         return "forward + loss", ""
     leaf = stack[-1]
     if mode == "raw" and _is(leaf, "step") and "profile_step" in leaf[1]:
@@ -104,8 +108,12 @@ def classify_engine(stack):
     if not has(stack, "_cycle", "engine.py"):
         leaf = stack[-1]
         if has(stack, "_run", "engine.py"):
-            if _is(leaf, "wait") and "threading" in leaf[1] or _is(leaf, "_run") and \
-                    leaf[2] in (135, 144):
+            if (
+                _is(leaf, "wait")
+                and "threading" in leaf[1]
+                or _is(leaf, "_run")
+                and leaf[2] in (135, 144)
+            ):
                 return "idle (sleeping between cycles)", leaf_desc(stack, 0)
             return "idle loop other", leaf_desc(stack, 0)
         return "outside engine loop", leaf_desc(stack, 0)
@@ -114,8 +122,13 @@ def classify_engine(stack):
         if i >= 0:
             leaf = stack[-1]
             if _is(leaf, "wait") and "mpi.py" in leaf[1]:
-                kind = {42: "sleep backoff", 41: "Test (poll loop)", 38: "Test (spin)",
-                        37: "spin perf_counter", 34: "Test (first)"}.get(leaf[2], f"line {leaf[2]}")
+                kind = {
+                    42: "sleep backoff",
+                    41: "Test (poll loop)",
+                    38: "Test (spin)",
+                    37: "spin perf_counter",
+                    34: "Test (first)",
+                }.get(leaf[2], f"line {leaf[2]}")
                 return f"negotiation: {fn} waiting", kind
             return f"negotiation: {fn} other", leaf_desc(stack, 0)
     if has(stack, "execute") and any("backends" in f[1] for f in stack):
@@ -171,8 +184,11 @@ def main():
     if engine_tid is not None:
         out["engine"] = tally(engine_tid, classify_engine)
         # engine time during the main thread's backward (compute + hooks)
-        bw = [(max(a, w0), min(b, w1)) for a, b, s in spans[main_tid]
-              if has(s, "backward") and min(b, w1) > max(a, w0)]
+        bw = [
+            (max(a, w0), min(b, w1))
+            for a, b, s in spans[main_tid]
+            if has(s, "backward") and min(b, w1) > max(a, w0)
+        ]
         overlap = collections.Counter()
         bw_total = sum(b - a for a, b in bw) / 1e3
         j = 0
@@ -196,15 +212,18 @@ def main():
         for c, v in cat.most_common():
             print(f"| {c} | {v / n:.2f} | {100 * v / wall:.1f} |")
         res["threads"][name] = {c: v / n for c, v in cat.items()}
-        res["threads"][name + "_sub"] = {c: {d: x / n for d, x in sub[c].most_common(args.subs)}
-                                         for c in cat}
+        res["threads"][name + "_sub"] = {
+            c: {d: x / n for d, x in sub[c].most_common(args.subs)} for c in cat
+        }
         print("\nsub-breakdown (top entries):")
         for c, v in cat.most_common():
             parts = ", ".join(f"{d or '-'}: {x / n:.2f}" for d, x in sub[c].most_common(args.subs))
             print(f"- {c}: {parts}")
     if "engine_during_backward" in res:
-        print(f"\nengine thread during main-thread backward ({res['backward_ms_per_step']:.2f} "
-              f"ms/step incl. hooks):")
+        print(
+            f"\nengine thread during main-thread backward ({res['backward_ms_per_step']:.2f} "
+            f"ms/step incl. hooks):"
+        )
         for c, v in sorted(res["engine_during_backward"].items(), key=lambda kv: -kv[1]):
             print(f"  {c}: {v:.2f} ms/step")
     if args.json:

@@ -41,9 +41,11 @@ def cycle(t: torch.Tensor, name: str) -> torch.Tensor:
         if band != sent:
             raise RuntimeError("the peers negotiated something else")
         out = torch.empty_like(t)
-        DATA.Iallreduce([MPI.buffer.fromaddress(t.data_ptr(), 4), MPI.FLOAT],
-                        [MPI.buffer.fromaddress(out.data_ptr(), 4), MPI.FLOAT],
-                        op=MPI.SUM).Wait()
+        DATA.Iallreduce(
+            [MPI.buffer.fromaddress(t.data_ptr(), 4), MPI.FLOAT],
+            [MPI.buffer.fromaddress(out.data_ptr(), 4), MPI.FLOAT],
+            op=MPI.SUM,
+        ).Wait()
         return out
 
 
@@ -76,28 +78,44 @@ def main():
     warm_us = WORLD.allreduce(statistics.median(warm), op=MPI.MAX) * 1e6
     cold = after_sleep(lambda: cycle(t, "x"), args.trials) * 1e6
     raw = after_sleep(lambda: DATA.Allreduce(MPI.IN_PLACE, a), args.trials) * 1e6
-    raw2 = after_sleep(lambda: (CONTROL.Allreduce(MPI.IN_PLACE, a),
-                                DATA.Allreduce(MPI.IN_PLACE, a)), args.trials) * 1e6
+    raw2 = (
+        after_sleep(
+            lambda: (CONTROL.Allreduce(MPI.IN_PLACE, a), DATA.Allreduce(MPI.IN_PLACE, a)),
+            args.trials,
+        )
+        * 1e6
+    )
     if WORLD.rank == 0:
-        print(f"minimal cycle, np={WORLD.size}: warm median {warm_us:.1f} us; after 0.2 s "
-              f"sleep {cold:.1f} us, raw Allreduce {raw:.1f} us ({cold / raw:.2f} x), two raw "
-              f"Allreduces {raw2:.1f} us")
-    pieces = [("empty_like", lambda: torch.empty_like(t)), ("spun Iallreduce", lambda: spun(t)),
-              ("empty_like + spun Iallreduce", lambda: spun(t, torch.empty_like(t))),
-              ("raw Allreduce", lambda: DATA.Allreduce(MPI.IN_PLACE, a))]
+        print(
+            f"minimal cycle, np={WORLD.size}: warm median {warm_us:.1f} us; after 0.2 s "
+            f"sleep {cold:.1f} us, raw Allreduce {raw:.1f} us ({cold / raw:.2f} x), two raw "
+            f"Allreduces {raw2:.1f} us"
+        )
+    pieces = [
+        ("empty_like", lambda: torch.empty_like(t)),
+        ("spun Iallreduce", lambda: spun(t)),
+        ("empty_like + spun Iallreduce", lambda: spun(t, torch.empty_like(t))),
+        ("raw Allreduce", lambda: DATA.Allreduce(MPI.IN_PLACE, a)),
+    ]
     cold = {what: after_sleep(fn, args.trials) for what, fn in pieces}
     if WORLD.rank == 0:
-        print("after 0.2 s sleep, / raw Allreduce: " + ", ".join(
-            f"{what} {cold[what] * 1e6:.1f} us ({cold[what] / cold['raw Allreduce']:.2f} x)"
-            for what, _ in pieces))
+        print(
+            "after 0.2 s sleep, / raw Allreduce: "
+            + ", ".join(
+                f"{what} {cold[what] * 1e6:.1f} us ({cold[what] / cold['raw Allreduce']:.2f} x)"
+                for what, _ in pieces
+            )
+        )
 
 
 def spun(t: torch.Tensor, out=None) -> None:
     """One 4 B Iallreduce of `t` (into `out`, or in place), spun on Test as the lane spins."""
     send = MPI.buffer.fromaddress(t.data_ptr(), 4)
-    req = DATA.Iallreduce(MPI.IN_PLACE if out is None else [send, MPI.FLOAT],
-                          [send if out is None else MPI.buffer.fromaddress(out.data_ptr(), 4),
-                           MPI.FLOAT], op=MPI.SUM)
+    req = DATA.Iallreduce(
+        MPI.IN_PLACE if out is None else [send, MPI.FLOAT],
+        [send if out is None else MPI.buffer.fromaddress(out.data_ptr(), 4), MPI.FLOAT],
+        op=MPI.SUM,
+    )
     while not req.Test():
         pass
 

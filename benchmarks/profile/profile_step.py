@@ -31,12 +31,18 @@ import torch.nn.functional as F
 def _models_module(models_dir):
     if models_dir is None:
         import mpidp
-        cand = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(mpidp.__file__))),
-                            "benchmarks")
-        models_dir = cand if os.path.exists(os.path.join(cand, "models.py")) \
+
+        cand = os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(mpidp.__file__))), "benchmarks"
+        )
+        models_dir = (
+            cand
+            if os.path.exists(os.path.join(cand, "models.py"))
             else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        )
     sys.path.insert(0, models_dir)
     import models
+
     return models
 
 
@@ -65,14 +71,19 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--mode", choices=("mpidp", "raw"), default="mpidp")
     ap.add_argument("--models-dir", default=None)
-    ap.add_argument("--time-hooks", action="store_true",
-                    help="time DistributedOptimizer._hook per call (perf_counter wrapper)")
+    ap.add_argument(
+        "--time-hooks",
+        action="store_true",
+        help="time DistributedOptimizer._hook per call (perf_counter wrapper)",
+    )
     ap.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    import mpidp
     from mpi4py import MPI
+
+    import mpidp
+
     models = _models_module(args.models_dir)
     mpidp.init()
     comm = MPI.COMM_WORLD
@@ -87,6 +98,7 @@ def main():
             r = _orig(self, p)
             _rec(_pc() - t0)
             return r
+
         mpidp.DistributedOptimizer._hook = timed_hook
 
     torch.manual_seed(0)
@@ -129,12 +141,20 @@ def main():
 
     med = statistics.median(times) * 1e3
     meds = comm.gather(med, root=0)
-    res = {"model": args.model, "mode": args.mode, "np": size, "steps": args.steps,
-           "median_ms_rank0": med, "median_ms_per_rank": meds,
-           "median_ms_max_rank": max(meds) if meds else None,
-           "mean_ms_rank0": statistics.fmean(times) * 1e3,
-           "min_ms_rank0": min(times) * 1e3, "window_s_rank0": t_window,
-           "n_params": len(params), "n_elems": sum(p.numel() for p in params)}
+    res = {
+        "model": args.model,
+        "mode": args.mode,
+        "np": size,
+        "steps": args.steps,
+        "median_ms_rank0": med,
+        "median_ms_per_rank": meds,
+        "median_ms_max_rank": max(meds) if meds else None,
+        "mean_ms_rank0": statistics.fmean(times) * 1e3,
+        "min_ms_rank0": min(times) * 1e3,
+        "window_s_rank0": t_window,
+        "n_params": len(params),
+        "n_elems": sum(p.numel() for p in params),
+    }
     if have_stats:
         delta = {}
         for k, v in after.items():
@@ -150,20 +170,38 @@ def main():
         res["hook_us_mean"] = statistics.fmean(hook_times) * 1e6
         res["hook_ms_per_step"] = sum(hook_times) * 1e3 / args.steps
     if rank == 0:
-        print(f"[{args.mode} {args.model} np={size}] median step {med:.2f} ms (rank 0), "
-              f"per-rank medians {[round(m, 2) for m in meds]}, mean {res['mean_ms_rank0']:.2f}, "
-              f"min {res['min_ms_rank0']:.2f}, {args.steps} steps")
+        print(
+            f"[{args.mode} {args.model} np={size}] median step {med:.2f} ms (rank 0), "
+            f"per-rank medians {[round(m, 2) for m in meds]}, mean {res['mean_ms_rank0']:.2f}, "
+            f"min {res['min_ms_rank0']:.2f}, {args.steps} steps"
+        )
         if have_stats:
             ps = res["stats_per_step"]
-            print("  engine per step: " + ", ".join(
-                f"{k}={ps[k]:.3g}" for k in ("cycles", "slow_cycles", "cache_hits",
-                                             "cache_misses", "collectives", "fused_collectives",
-                                             "tensors", "bytes", "negotiate_s", "collective_s")
-                if k in ps))
+            print(
+                "  engine per step: "
+                + ", ".join(
+                    f"{k}={ps[k]:.3g}"
+                    for k in (
+                        "cycles",
+                        "slow_cycles",
+                        "cache_hits",
+                        "cache_misses",
+                        "collectives",
+                        "fused_collectives",
+                        "tensors",
+                        "bytes",
+                        "negotiate_s",
+                        "collective_s",
+                    )
+                    if k in ps
+                )
+            )
         if hook_times:
-            print(f"  hook: {res['hook_calls_per_step']:.0f} calls/step, median "
-                  f"{res['hook_us_median']:.1f} us, mean {res['hook_us_mean']:.1f} us, "
-                  f"{res['hook_ms_per_step']:.2f} ms/step")
+            print(
+                f"  hook: {res['hook_calls_per_step']:.0f} calls/step, median "
+                f"{res['hook_us_median']:.1f} us, mean {res['hook_us_mean']:.1f} us, "
+                f"{res['hook_ms_per_step']:.2f} ms/step"
+            )
         print("RESULT " + json.dumps(res))
         if args.json:
             with open(args.json, "w") as fh:

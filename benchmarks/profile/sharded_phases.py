@@ -26,6 +26,7 @@ from train_step import MODELS  # noqa: E402
 
 def build(kind, base):
     import mpidp
+
     model = copy.deepcopy(base)
     inner = torch.optim.Adam(model.parameters(), lr=1e-3)
     if kind == "DistributedOptimizer":
@@ -53,7 +54,9 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     from mpi4py import MPI
+
     import mpidp
+
     torch.set_num_threads(1)
     mpidp.init()
     comm = MPI.COMM_WORLD
@@ -79,12 +82,12 @@ def main():
                     opt.step()
                 t3 = time.perf_counter()
                 if rnd:
-                    phases[kind].append((t1 - t0, t2 - t1, spent["inner"],
-                                         t3 - t2 - spent["inner"], t3 - t0))
+                    phases[kind].append(
+                        (t1 - t0, t2 - t1, spent["inner"], t3 - t2 - spent["inner"], t3 - t0)
+                    )
     if comm.rank == 0:
         print(f"{args.model}, np={comm.size}: median ms per phase (rank 0)")
-        print(f"  {'':26s} {'fwd+bwd':>8s} {'sync':>8s} {'inner':>8s} {'rest':>8s} "
-              f"{'step':>8s}")
+        print(f"  {'':26s} {'fwd+bwd':>8s} {'sync':>8s} {'inner':>8s} {'rest':>8s} {'step':>8s}")
         for kind, rows in phases.items():
             cols = [statistics.median(c) * 1e3 for c in zip(*rows)]
             print(f"  {kind:26s} " + " ".join(f"{c:8.2f}" for c in cols))

@@ -27,8 +27,9 @@ def pytest_configure(config):
     if rank is None or config.option.basetemp:
         return
     # The parent process is the launcher's per-host proxy: one directory per launch.
-    launch = os.path.join(tempfile.gettempdir(), f"pytest-ranks-{os.getuid()}",
-                          f"launch-{os.getppid()}")
+    launch = os.path.join(
+        tempfile.gettempdir(), f"pytest-ranks-{os.getuid()}", f"launch-{os.getppid()}"
+    )
     os.makedirs(launch, exist_ok=True)
     config.option.basetemp = os.path.join(launch, f"rank{rank}")
 

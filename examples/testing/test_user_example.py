@@ -35,11 +35,12 @@ def test_allgather_with_uneven_rows(check):
 def test_training_keeps_replicas_identical(check):
     """Different data on each rank, same parameters everywhere after every step."""
     r = mpidp.rank()
-    torch.manual_seed(100 + r)            # different initial weights on purpose
+    torch.manual_seed(100 + r)  # different initial weights on purpose
     model = torch.nn.Linear(4, 2)
     mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     for step in range(3):
         x = torch.randn(8, 4) + r
         opt.zero_grad()
@@ -63,7 +64,7 @@ def test_shared_directory_from_rank_0(mpi_tmp_path, check):
     that every rank reads (on one host, or on a shared file system)."""
     if mpidp.rank() == 0:
         torch.save({"step": 7}, mpi_tmp_path / "checkpoint.pt")
-    mpidp.barrier()                      # the file exists before anyone reads it
+    mpidp.barrier()  # the file exists before anyone reads it
     state = torch.load(mpi_tmp_path / "checkpoint.pt")
     check(state == {"step": 7}, f"read {state}")
 
@@ -76,13 +77,15 @@ def test_needs_two_ranks(check):
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif("EXAMPLE_FAIL_ON_RANK" not in os.environ,
-                    reason="set EXAMPLE_FAIL_ON_RANK=<k> to see one rank's failure fail all")
+@pytest.mark.skipif(
+    "EXAMPLE_FAIL_ON_RANK" not in os.environ,
+    reason="set EXAMPLE_FAIL_ON_RANK=<k> to see one rank's failure fail all",
+)
 def test_deliberate_failure(check):
     bad_rank = int(os.environ["EXAMPLE_FAIL_ON_RANK"])
     value = mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name="example.fail").item()
     if mpidp.rank() == bad_rank:
-        value += 1                       # this rank computes a wrong answer
+        value += 1  # this rank computes a wrong answer
     check(value == mpidp.size(), f"expected {mpidp.size()}, computed {value}")
     # Every rank raised in check() above, so none reaches this collective and none waits.
     mpidp.allreduce(torch.ones(1), name="example.after_failure")

@@ -11,10 +11,10 @@ wants MASTER_ADDR). No `accelerate launch`, config file, MASTER_ADDR or RANK is 
 
 import torch
 from accelerate import Accelerator
+from digits import arguments, dataset, finish, full_loss, mlp, train
 from torch.utils.data import DataLoader
 
 import mpidp.distributed  # noqa: F401  (before Accelerator: makes "mpi" available)
-from digits import arguments, dataset, finish, full_loss, mlp, train
 
 
 def main():
@@ -35,8 +35,13 @@ def main():
 
     state = accelerator.state
     accelerator.end_training()
-    finish(f"accelerate ({state.distributed_type.value}, backend {state.backend})", before, after,
-           accelerator.num_processes, accelerator.process_index)
+    finish(
+        f"accelerate ({state.distributed_type.value}, backend {state.backend})",
+        before,
+        after,
+        accelerator.num_processes,
+        accelerator.process_index,
+    )
 
 
 if __name__ == "__main__":

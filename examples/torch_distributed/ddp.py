@@ -9,13 +9,13 @@ shard (DistributedSampler); DDP averages the gradients over mpidp's engine.
 
 import torch
 import torch.distributed as dist
+from digits import arguments, dataset, finish, full_loss, mlp, share_cores, train
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import mpidp
 import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
-from digits import arguments, dataset, finish, full_loss, mlp, share_cores, train
 
 
 def main():

@@ -32,8 +32,9 @@ def dataset() -> TensorDataset:
     # costs each rank seconds at start-up, more than these examples train.
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("these examples read the digits that ship inside scikit-learn: "
-                         "pip install scikit-learn")
+        raise SystemExit(
+            "these examples read the digits that ship inside scikit-learn: pip install scikit-learn"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
     table = np.loadtxt(path, delimiter=",", dtype=np.float32)
     x = torch.from_numpy(table[:, :-1] / 16.0)
@@ -41,8 +42,9 @@ def dataset() -> TensorDataset:
 
 
 def mlp(width: int = 64) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                         nn.Linear(width, 10))
+    return nn.Sequential(
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
 
 
 def full_loss(model: nn.Module, data: TensorDataset) -> float:
@@ -77,6 +79,9 @@ def finish(name: str, before: float, after: float, ranks: int, rank: int) -> Non
     if rank == 0:
         print(f"{name}: loss {before:.4f} -> {after:.4f} on {ranks} rank(s)", flush=True)
     if not after < before:
-        print(f"{name}: training did not reduce the loss ({before:.4f} -> {after:.4f})",
-              file=sys.stderr, flush=True)
+        print(
+            f"{name}: training did not reduce the loss ({before:.4f} -> {after:.4f})",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)

@@ -16,15 +16,19 @@ import hashlib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_state_dict)
+from digits import arguments, dataset, finish, full_loss, mlp, share_cores, train
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import mpidp
 import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
-from digits import arguments, dataset, finish, full_loss, mlp, share_cores, train
 
 
 def checksum(model) -> str:
@@ -60,8 +64,9 @@ def main():
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=args.load)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         sums = checksum(model)
         if rank == 0:
             print(f"loaded {args.load}: params {sums}", flush=True)

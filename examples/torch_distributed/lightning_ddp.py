@@ -13,13 +13,13 @@ DistributedSampler shards the data by these.
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from digits import arguments, dataset, finish, full_loss, mlp, share_cores
 from lightning_fabric.plugins.environments import MPIEnvironment
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import mpidp
 import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
-from digits import arguments, dataset, finish, full_loss, mlp, share_cores
 
 
 class Digits(pl.LightningModule):
@@ -55,10 +55,16 @@ def main():
     before = full_loss(model, model.data)
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=per_node, num_nodes=size // per_node,
+        accelerator="cpu",
+        devices=per_node,
+        num_nodes=size // per_node,
         strategy=DDPStrategy(process_group_backend="mpidp", cluster_environment=MPIEnvironment()),
-        max_epochs=args.epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False)
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model)
     after = full_loss(model, model.data)
     finish("lightning_ddp", before, after, trainer.world_size, trainer.global_rank)

@@ -7,9 +7,16 @@ from ..engine.dtypes import SUPPORTED
 from ..engine.messages import ReduceOp
 
 _RedOp = dist.ReduceOp  # its RedOpType members, where torch's stubs declare them
-OPS = {_RedOp.SUM: ReduceOp.SUM, _RedOp.AVG: ReduceOp.AVERAGE, _RedOp.PRODUCT: ReduceOp.PRODUCT,
-        _RedOp.MIN: ReduceOp.MIN, _RedOp.MAX: ReduceOp.MAX, _RedOp.BAND: ReduceOp.BAND,
-        _RedOp.BOR: ReduceOp.BOR, _RedOp.BXOR: ReduceOp.BXOR}
+OPS = {
+    _RedOp.SUM: ReduceOp.SUM,
+    _RedOp.AVG: ReduceOp.AVERAGE,
+    _RedOp.PRODUCT: ReduceOp.PRODUCT,
+    _RedOp.MIN: ReduceOp.MIN,
+    _RedOp.MAX: ReduceOp.MAX,
+    _RedOp.BAND: ReduceOp.BAND,
+    _RedOp.BOR: ReduceOp.BOR,
+    _RedOp.BXOR: ReduceOp.BXOR,
+}
 _BYTE = torch.uint8
 
 
@@ -39,20 +46,26 @@ def reducible(t: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
     average is the same on both parts); a TypeError for a dtype no reduction is defined on."""
     if t.is_complex():
         if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            raise TypeError(f"{what}: {op.name} is not defined for complex tensors; only SUM, "
-                            f"AVG and PREMUL_SUM are")
+            raise TypeError(
+                f"{what}: {op.name} is not defined for complex tensors; only SUM, "
+                f"AVG and PREMUL_SUM are"
+            )
         return torch.view_as_real(t)
     if t.dtype not in SUPPORTED:
-        raise TypeError(f"{what}: the mpidp backend does not reduce {t.dtype} tensors; it "
-                        f"reduces {', '.join(str(d).replace('torch.', '') for d in SUPPORTED)} "
-                        f"and complex")
+        raise TypeError(
+            f"{what}: the mpidp backend does not reduce {t.dtype} tensors; it "
+            f"reduces {', '.join(str(d).replace('torch.', '') for d in SUPPORTED)} "
+            f"and complex"
+        )
     return t
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy `src` (bytes or values, flat) into the caller's tensor `dst` unless it is `dst`."""
-    if src.data_ptr() == dst.data_ptr() and src.numel() * src.element_size() == \
-            dst.numel() * dst.element_size():
+    if (
+        src.data_ptr() == dst.data_ptr()
+        and src.numel() * src.element_size() == dst.numel() * dst.element_size()
+    ):
         return
     flat = dst.reshape(-1) if dst.is_contiguous() else None
     if flat is not None and flat.dtype not in SUPPORTED:
@@ -60,8 +73,11 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     if flat is not None and flat.data_ptr() == dst.data_ptr():
         flat.copy_(src.reshape(flat.shape))
     else:
-        dst.copy_(src.view(dst.dtype).reshape(dst.shape) if src.dtype != dst.dtype
-                  else src.reshape(dst.shape))
+        dst.copy_(
+            src.view(dst.dtype).reshape(dst.shape)
+            if src.dtype != dst.dtype
+            else src.reshape(dst.shape)
+        )
 
 
 def filled(dst: torch.Tensor, src: torch.Tensor, result):

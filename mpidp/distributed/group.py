@@ -12,8 +12,8 @@ from ..ops import allreduce_ops, gather_ops
 from ..ops.barrier_join import barrier
 from ..ops.collectives import allreduce_
 from ..runtime.process_sets import global_process_set, member_of
-from . import p2p
 from . import conversions as conv
+from . import p2p
 from .naming import CallNames
 from .work import Work
 
@@ -38,8 +38,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._done = Work.finished([])  # what a blocking call returns: torch only waits on it
-        self._names = CallNames("w" if process_set is None
-                                else f"s{'.'.join(map(str, self._ranks))}")
+        self._names = CallNames(
+            "w" if process_set is None else f"s{'.'.join(map(str, self._ranks))}"
+        )
 
     # ---- what torch asks of a process group ----
 
@@ -85,13 +86,15 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         def finish():
             if work_t is not wire:
                 wire.copy_(work_t)
+
         name = self._names.next("allreduce", [work_t])
         if blocking and pre == 1.0 and t.device.type == "cpu":
             self._blocking_allreduce(work_t, name, op)
             finish()
             return None, finish
-        hid = allreduce_ops.allreduce_async_(work_t, name=name, op=op, prescale_factor=pre,
-                                             process_set=self._ps)
+        hid = allreduce_ops.allreduce_async_(
+            work_t, name=name, op=op, prescale_factor=pre, process_set=self._ps
+        )
         return self._names.submitted(name, hid), finish
 
     def allreduce(self, tensors, opts=None):
@@ -116,14 +119,16 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         wires = [conv.reducible(t, op, "all_reduce_coalesced") for t in tensors]
         work = [w if w.is_contiguous() else w.contiguous() for w in wires]
         name = self._names.next("allreduce_coalesced", work)
-        hid = allreduce_ops.grouped_allreduce_async_(work, name=name, op=op, prescale_factor=pre,
-                                                     process_set=self._ps)
+        hid = allreduce_ops.grouped_allreduce_async_(
+            work, name=name, op=op, prescale_factor=pre, process_set=self._ps
+        )
 
         def finish(_):
             for w, c in zip(wires, work):
                 if w is not c:
                     w.copy_(c)
             return list(tensors)
+
         return self._work([self._names.submitted(name, hid)], finish)
 
     def reduce(self, tensors, opts=None):
@@ -144,15 +149,18 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         src = (rows if rows.is_contiguous() else rows.contiguous()).reshape(size, -1)
         if pre != 1.0:
             src = src * pre
-        dst = out.reshape(1, -1) if out.is_contiguous() else torch.empty(
-            (1, out.numel()), dtype=out.dtype, device=out.device)
+        dst = (
+            out.reshape(1, -1)
+            if out.is_contiguous()
+            else torch.empty((1, out.numel()), dtype=out.dtype, device=out.device)
+        )
         name = self._names.next(kind, [src])
-        hid = gather_ops.reducescatter_into_async(src, dst, name=name, op=op,
-                                                  process_set=self._ps)
+        hid = gather_ops.reducescatter_into_async(src, dst, name=name, op=op, process_set=self._ps)
 
         def finish():
             if dst.data_ptr() != out.data_ptr():
                 out.copy_(dst.reshape(out.shape))
+
         return self._names.submitted(name, hid), finish
 
     def _reduce_scatter_base(self, output, input, opts=None):
@@ -174,10 +182,13 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        pairs = [self._reduce_scatter_one(o, i, opts.reduceOp, "reduce_scatter")
-                 for o, i in zip(outputs, inputs)]
-        return self._work([h for h, _ in pairs],
-                          lambda _: ([f() for _, f in pairs], list(outputs))[1])
+        pairs = [
+            self._reduce_scatter_one(o, i, opts.reduceOp, "reduce_scatter")
+            for o, i in zip(outputs, inputs)
+        ]
+        return self._work(
+            [h for h, _ in pairs], lambda _: ([f() for _, f in pairs], list(outputs))[1]
+        )
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -189,8 +200,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         wire = conv.flat(t)
         name = self._names.next("broadcast", [wire])
         hid = gather_ops.broadcast_async_(wire, opts.rootRank, name=name, process_set=self._ps)
-        return self._work([self._names.submitted(name, hid)],
-                          lambda _: conv.filled(t, wire, tensors))
+        return self._work(
+            [self._names.submitted(name, hid)], lambda _: conv.filled(t, wire, tensors)
+        )
 
     def _allgather_one(self, output: torch.Tensor, input: torch.Tensor, kind: str):
         src = conv.flat(input).reshape(1, -1)
@@ -217,6 +229,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 for i, o in enumerate(outs):
                     conv.copy_into(o, dst[i])
             return [o for outs in output_tensors for o in outs]
+
         return self._work([h for h, _ in jobs], finish)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -226,6 +239,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             for o, (_, dst) in zip(outputs, jobs):
                 conv.copy_into(o, dst)
             return list(outputs)
+
         return self._work([h for h, _ in jobs], finish)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
@@ -235,8 +249,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def _alltoall_flat(self, send: torch.Tensor, splits: List[int], kind: str):
         name = self._names.next(kind, [send], shaped=False)
-        hid = gather_ops.alltoall_received_async(send, splits=splits, name=name,
-                                                 process_set=self._ps)
+        hid = gather_ops.alltoall_received_async(
+            send, splits=splits, name=name, process_set=self._ps
+        )
         return self._names.submitted(name, hid)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -244,8 +259,10 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         rows = input.shape[0] if input.dim() else 1
         if not input_split_sizes:
             if rows % size:
-                raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over "
-                                 f"{size} ranks; pass input_split_sizes")
+                raise ValueError(
+                    f"all_to_all_single: {rows} rows do not split evenly over "
+                    f"{size} ranks; pass input_split_sizes"
+                )
             input_split_sizes = [rows // size] * size
         row = input.numel() // max(rows, 1)
         send = conv.flat(input)
@@ -257,6 +274,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             received, _ = results[0]
             conv.copy_into(output, received)
             return [output]
+
         return self._work([hid], finish)
 
     all_to_all_single = alltoall_base
@@ -270,9 +288,10 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             received, counts = results[0]
             offset = 0
             for o, n in zip(output_tensors, counts.tolist()):
-                conv.copy_into(o, received[offset:offset + n])
+                conv.copy_into(o, received[offset : offset + n])
                 offset += n
             return list(output_tensors)
+
         return self._work([hid], finish)
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -287,9 +306,10 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             if self.rank() == opts.rootRank:
                 offset = 0
                 for o, n in zip(output_tensors[0], counts.tolist()):
-                    conv.copy_into(o, received[offset:offset + n])
+                    conv.copy_into(o, received[offset : offset + n])
                     offset += n
             return [o for outs in output_tensors for o in outs]
+
         return self._work([hid], finish)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -305,6 +325,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         def finish(results):
             conv.copy_into(out, results[0][0])
             return [out]
+
         return self._work([hid], finish)
 
     def barrier(self, opts=None):
@@ -329,6 +350,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         set stays: mpidp.torch may use it). Synchronization: the group's members."""
         if self._ps is not None and self._ps.process_set_id is not None:
             from ..runtime.process_sets import remove_process_set
+
             remove_process_set(self._ps)
 
     def abort(self) -> None:

@@ -56,8 +56,10 @@ class CallNames:
         return name
 
     def _made(self, kind: str, tensors: Sequence, shaped: bool) -> List[str]:
-        text = ";".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape) if shaped else []}"
-                        for t in tensors)
+        text = ";".join(
+            f"{str(t.dtype).replace('torch.', '')}{list(t.shape) if shaped else []}"
+            for t in tensors
+        )
         return [f"torch.{self._tag}.{kind}.{text}#{k}" for k in range(NAMES_PER_SIGNATURE)]
 
     def failed(self, error: BaseException) -> None:

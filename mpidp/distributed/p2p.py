@@ -7,10 +7,13 @@ from ..errors import ArgumentError
 from ..runtime.process_sets import member_of
 from .work import Work
 
+
 def _bytes(t: torch.Tensor, what: str):
     if not t.is_contiguous():
-        raise ArgumentError(f"{what}: the tensor must be contiguous (strides {t.stride()}); "
-                            f"call .contiguous() first")
+        raise ArgumentError(
+            f"{what}: the tensor must be contiguous (strides {t.stride()}); "
+            f"call .contiguous() first"
+        )
     host = t if t.device.type == "cpu" else t.cpu()
     return host, host.reshape(-1).view(torch.uint8).numpy()
 
@@ -47,8 +50,7 @@ def recv(process_set, tensor: torch.Tensor, src, tag: int) -> Work:
     if src is not None:
         _check_peer(src, member.size, member.rank, "recv")
     host, view = _bytes(tensor, "recv")
-    request = mpi.irecv(member.engine.comms.p2p, view, mpi.ANY_SOURCE if src is None else src,
-                        tag)
+    request = mpi.irecv(member.engine.comms.p2p, view, mpi.ANY_SOURCE if src is None else src, tag)
     return _PointWork(request, [tensor], host if host is not tensor else None, keep=host)
 
 
@@ -58,7 +60,7 @@ class _PointWork(Work):
     def __init__(self, request, value, staged, keep):
         self._request = request
         self._staged = staged  # a receive into a device tensor lands on the host first
-        self._keep = keep      # MPI reads or writes this memory until the request completes
+        self._keep = keep  # MPI reads or writes this memory until the request completes
         self._target = value[0]
         self._sender = -1
         super().__init__([], lambda _: value, lambda: self._sender, pending=True)

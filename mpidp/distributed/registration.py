@@ -41,9 +41,11 @@ def make_group(global_ranks: List[int]) -> Optional[ProcessGroupMpidp]:
         world.init()
     everyone = mpi.world()
     if everyone is not None and everyone[1] != world.size():
-        raise RuntimeError(f"the mpidp torch.distributed backend needs mpidp's world to be "
-                           f"MPI's COMM_WORLD ({everyone[1]} ranks), but mpidp.init() was given "
-                           f"a communicator of {world.size()}; call mpidp.init() without comm=")
+        raise RuntimeError(
+            f"the mpidp torch.distributed backend needs mpidp's world to be "
+            f"MPI's COMM_WORLD ({everyone[1]} ranks), but mpidp.init() was given "
+            f"a communicator of {world.size()}; call mpidp.init() without comm="
+        )
     ranks = sorted(int(r) for r in global_ranks)
     if not ranks or ranks == list(range(world.size())) and len(global_ranks) == 0:
         return ProcessGroupMpidp(world.rank(), world.size())
@@ -72,8 +74,10 @@ def install() -> None:
     global _installed, _torch_has_mpi
     if _installed:
         return
-    _torch_has_mpi = bool(getattr(c10d, "_MPI_AVAILABLE", False)) and \
-        getattr(c10d, "ProcessGroupMPI", None) is not None
+    _torch_has_mpi = (
+        bool(getattr(c10d, "_MPI_AVAILABLE", False))
+        and getattr(c10d, "ProcessGroupMPI", None) is not None
+    )
     dist.Backend.register_backend(NAME, _plugin, extended_api=True, devices=["cpu", "cuda"])
     if not _torch_has_mpi:
         setattr(c10d, "ProcessGroupMPI", _MpiHook)
@@ -82,6 +86,8 @@ def install() -> None:
         # store and no MASTER_ADDR, RANK or WORLD_SIZE to set.
         setattr(dist.Backend, NAME.upper(), dist.Backend.MPI)
     else:
-        logger.info("this torch has its own MPI backend: \"mpi\" stays torch's; \"mpidp\" needs "
-                    "a rendezvous (init_method or MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE)")
+        logger.info(
+            'this torch has its own MPI backend: "mpi" stays torch\'s; "mpidp" needs '
+            "a rendezvous (init_method or MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE)"
+        )
     _installed = True

@@ -7,8 +7,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..ops.waits import synchronize, when_done
 from ..log import logger
+from ..ops.waits import synchronize, when_done
 
 
 class _Completions:
@@ -28,8 +28,9 @@ class _Completions:
     def watch(self, work: "Work", handles: Sequence[int]) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="mpidp-dist-completion",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="mpidp-dist-completion", daemon=True
+                )
                 self._thread.start()
         left = [len(handles)]
         lock = threading.Lock()
@@ -65,9 +66,14 @@ class Work(dist.Work):
     completion thread as soon as the engine finishes it, so get_future() completes either way.
     """
 
-    def __init__(self, handles: List[int], finish: Callable[[list], List[torch.Tensor]],
-                 source_rank: Callable[[], int] = lambda: -1, pending: bool = False,
-                 on_error: Optional[Callable[[BaseException], None]] = None):
+    def __init__(
+        self,
+        handles: List[int],
+        finish: Callable[[list], List[torch.Tensor]],
+        source_rank: Callable[[], int] = lambda: -1,
+        pending: bool = False,
+        on_error: Optional[Callable[[BaseException], None]] = None,
+    ):
         super().__init__()
         self._handles = handles
         self._finish = finish

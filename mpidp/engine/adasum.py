@@ -45,8 +45,9 @@ _DATA_TAG, _DOTS_TAG = 4150, 4151
 _noted_cuda = False
 
 
-def reduce_parts(backend, srcs: List[torch.Tensor], outs: List[torch.Tensor], req,
-                 threshold: int) -> None:
+def reduce_parts(
+    backend, srcs: List[torch.Tensor], outs: List[torch.Tensor], req, threshold: int
+) -> None:
     """outs[i] <- the Adasum of srcs[i], the parts of a batch in order (HostBackend's
     allreduce_batch collects them, a joined rank's zeros included), packed into buffers of at
     most `threshold` bytes (a larger part alone), each buffer one Adasum with per-tensor dot
@@ -124,7 +125,7 @@ def _vhdd(backend, buf: torch.Tensor, counts: np.ndarray, spin: bool) -> None:
         mid = lo + (hi - lo) // 2
         left = not rank & level
         (klo, khi), (glo, ghi) = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
-        theirs = received[:khi - klo]
+        theirs = received[: khi - klo]
         mpi.exchange(comm, _bytes(buf[glo:ghi]), _bytes(theirs), rank ^ level, _DATA_TAG, spin)
         spans = np.clip(starts, klo, khi) - klo, np.clip(ends, klo, khi) - klo
         _combine(backend, level, left, buf[klo:khi], theirs, spans, spin)
@@ -135,8 +136,7 @@ def _vhdd(backend, buf: torch.Tensor, counts: np.ndarray, spin: bool) -> None:
         level >>= 1
         plo, mid, phi = path.pop()
         olo, ohi = (mid, phi) if not rank & level else (plo, mid)
-        mpi.exchange(comm, _bytes(buf[lo:hi]), _bytes(buf[olo:ohi]), rank ^ level, _DATA_TAG,
-                     spin)
+        mpi.exchange(comm, _bytes(buf[lo:hi]), _bytes(buf[olo:ohi]), rank ^ level, _DATA_TAG, spin)
         lo, hi = plo, phi
 
 
@@ -144,8 +144,9 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.to(torch.float64)
 
 
-def _combine(backend, level: int, left: bool, mine: torch.Tensor, theirs: torch.Tensor, spans,
-             spin: bool) -> None:
+def _combine(
+    backend, level: int, left: bool, mine: torch.Tensor, theirs: torch.Tensor, spans, spin: bool
+) -> None:
     """mine <- adasum(a, b) on this rank's slice of both vectors, where a is the left vector
     (the lower ranks'): `mine` if `left`, else `theirs`. Tensor i spans [los[i], his[i]) of
     the slices; its dot products are summed over the 2 * level ranks holding its slices."""

@@ -37,8 +37,14 @@ SPACE: Dict[str, Tuple] = {
     "fuse_below_bytes": (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB),
     "cycle_time_ms": (0.0, 1.0, 2.5, 5.0),
 }
-CSV_HEADER = ("time_s", "kind", "fusion_threshold_bytes", "fuse_below_bytes", "cycle_time_ms",
-              "bytes_per_s")
+CSV_HEADER = (
+    "time_s",
+    "kind",
+    "fusion_threshold_bytes",
+    "fuse_below_bytes",
+    "cycle_time_ms",
+    "bytes_per_s",
+)
 
 
 def search_space(config, space: Dict[str, Tuple] = SPACE) -> Dict[str, List]:
@@ -54,8 +60,14 @@ def search_space(config, space: Dict[str, Tuple] = SPACE) -> Dict[str, List]:
 class Tuner:
     """Coordinate search over `space` from `start`; call `record(score)` once per sample."""
 
-    def __init__(self, start: Dict[str, object], space: Mapping[str, Sequence],
-                 warmup: int, samples: int, confirm: int = CONFIRM_ROUNDS):
+    def __init__(
+        self,
+        start: Dict[str, object],
+        space: Mapping[str, Sequence],
+        warmup: int,
+        samples: int,
+        confirm: int = CONFIRM_ROUNDS,
+    ):
         if samples < 1 or warmup < 0 or confirm < 0:
             raise ValueError("need samples >= 1, warmup >= 0 and confirm >= 0")
         self.warmup, self.samples, self.confirm = warmup, samples, confirm
@@ -65,7 +77,7 @@ class Tuner:
         self.current = dict(start)
         self.best = dict(start)
         self.best_score: Optional[float] = None
-        self.scores: Dict[tuple, float] = {}   # point -> median score
+        self.scores: Dict[tuple, float] = {}  # point -> median score
         self.done = not self.order
         self._queue: List[Dict[str, object]] = []
         self._knob = -1
@@ -127,7 +139,6 @@ class Tuner:
         self.skip = self.warmup
         return dict(nxt)
 
-
     def _rematch_step(self, median: float) -> Dict[str, object]:
         self.rematch[self._key(self.current)].append(median)
         if self._rematch:
@@ -170,8 +181,12 @@ class Sampler:
     """Rank 0's sampling: `poll` at each cycle start returns new parameters when it is time."""
 
     def __init__(self, config, start: Dict[str, object]):
-        self.tuner = Tuner(start, search_space(config), config.autotune_warmup_samples,
-                           config.autotune_samples_per_point)
+        self.tuner = Tuner(
+            start,
+            search_space(config),
+            config.autotune_warmup_samples,
+            config.autotune_samples_per_point,
+        )
         self.sample_s = config.autotune_sample_s
         self._log = None
         if config.autotune_log:
@@ -195,10 +210,16 @@ class Sampler:
 
     def _write(self, kind: str, params: Dict[str, object], score: float, now: float) -> None:
         if self._log is not None:
-            self._csv.writerow([f"{now - self._t0:.3f}", kind,
-                                params.get("fusion_threshold_bytes", ""),
-                                params.get("fuse_below_bytes", ""),
-                                params.get("cycle_time_ms", ""), f"{score:.1f}"])
+            self._csv.writerow(
+                [
+                    f"{now - self._t0:.3f}",
+                    kind,
+                    params.get("fusion_threshold_bytes", ""),
+                    params.get("fuse_below_bytes", ""),
+                    params.get("cycle_time_ms", ""),
+                    f"{score:.1f}",
+                ]
+            )
             self._log.flush()
 
     def poll(self, total_bytes: int, busy: bool) -> Optional[Dict[str, object]]:
@@ -219,14 +240,19 @@ class Sampler:
         if moved == 0:
             return None  # no traffic in the window: the program paused, not the knobs' fault
         score = moved / elapsed
-        kind = "warmup" if self.tuner.skip > 0 else \
-            ("rematch" if self.tuner.confirming else "sample")
+        kind = (
+            "warmup" if self.tuner.skip > 0 else ("rematch" if self.tuner.confirming else "sample")
+        )
         self._write(kind, self.tuner.current, score, now)
         switch = self.tuner.record(score)
         if self.tuner.done:
             self._write("chosen", self.tuner.best, self.tuner.best_score or 0.0, now)
-            logger.info("autotune chose %s (%.1f MB/s; start point %s)", self.tuner.best,
-                        (self.tuner.best_score or 0.0) / 1e6, self._start_score())
+            logger.info(
+                "autotune chose %s (%.1f MB/s; start point %s)",
+                self.tuner.best,
+                (self.tuner.best_score or 0.0) / 1e6,
+                self._start_score(),
+            )
             self.close()
         if switch is not None:
             self._began = None  # the next sample starts under the new parameters

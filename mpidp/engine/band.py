@@ -38,8 +38,11 @@ def part_bytes(num_bits: int) -> int:
 def pack(nb: int, cached: int, invalid: int, flags: int) -> bytearray:
     """The band with bit parts of `nb` bytes: the bits of `cached`, of `invalid`, and `flags`."""
     full = (1 << (8 * nb)) - 1
-    return bytearray(cached.to_bytes(nb, "little") + (full ^ invalid).to_bytes(nb, "little")
-                     + (_MASK64 ^ flags).to_bytes(8, "little"))
+    return bytearray(
+        cached.to_bytes(nb, "little")
+        + (full ^ invalid).to_bytes(nb, "little")
+        + (_MASK64 ^ flags).to_bytes(8, "little")
+    )
 
 
 def unpack(band: Union[bytes, bytearray]) -> Tuple[int, int, int]:
@@ -47,6 +50,8 @@ def unpack(band: Union[bytes, bytearray]) -> Tuple[int, int, int]:
     every rank, the bits some rank found invalid and the flags some rank raised."""
     nb = (len(band) - 8) // 2
     full = (1 << (8 * nb)) - 1
-    return (int.from_bytes(band[:nb], "little"),
-            full ^ int.from_bytes(band[nb:2 * nb], "little"),
-            _MASK64 ^ int.from_bytes(band[2 * nb:], "little"))
+    return (
+        int.from_bytes(band[:nb], "little"),
+        full ^ int.from_bytes(band[nb : 2 * nb], "little"),
+        _MASK64 ^ int.from_bytes(band[2 * nb :], "little"),
+    )

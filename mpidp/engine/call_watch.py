@@ -31,15 +31,22 @@ NEGOTIATION_SLACK_S = 2.0
 def watch(engine) -> "CallWatch":
     """The watch of `engine`'s calls, to start() with the engine; it ends once the engine has
     stopped for good (a call the engine left then is no stall)."""
-    return CallWatch(engine.stats, engine.rank, remote_ranks(engine.comms),
-                     engine.config.stall_warning_s, engine.config.stall_shutdown_s,
-                     alive=engine.running, hosts=engine.comms.hosts)
+    return CallWatch(
+        engine.stats,
+        engine.rank,
+        remote_ranks(engine.comms),
+        engine.config.stall_warning_s,
+        engine.config.stall_shutdown_s,
+        alive=engine.running,
+        hosts=engine.comms.hosts,
+    )
 
 
 def remote_ranks(comms) -> list:
     """Ranks of the engine's communicator that are not on this host (local; no communication)."""
-    local = comms.local.Get_group().Translate_ranks(list(range(comms.local.Get_size())),
-                                                    comms.world.Get_group())
+    local = comms.local.Get_group().Translate_ranks(
+        list(range(comms.local.Get_size())), comms.world.Get_group()
+    )
     return sorted(set(range(comms.size)) - set(local))
 
 
@@ -53,10 +60,17 @@ class CallWatch:
     """The watch thread of one engine (see the module docstring). `abort(message)` ends the job
     (mpi.abort_job; tests pass their own); the thread ends once `alive()` is false."""
 
-    def __init__(self, stats, rank: int, remote: Sequence[int], warning_s: float,
-                 shutdown_s: float, abort: Callable[[str], None] = mpi.abort_job,
-                 alive: Callable[[], bool] = lambda: True,
-                 hosts: Optional[Sequence[str]] = None):
+    def __init__(
+        self,
+        stats,
+        rank: int,
+        remote: Sequence[int],
+        warning_s: float,
+        shutdown_s: float,
+        abort: Callable[[str], None] = mpi.abort_job,
+        alive: Callable[[], bool] = lambda: True,
+        hosts: Optional[Sequence[str]] = None,
+    ):
         self.stats = stats
         self.hosts = hosts  # each rank's host name, to name the unreachable ones
         self.alive = alive
@@ -74,8 +88,7 @@ class CallWatch:
 
     def start(self) -> None:
         if self.enabled():
-            self._thread = threading.Thread(target=self._run, name="mpidp-call-watch",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="mpidp-call-watch", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -92,19 +105,23 @@ class CallWatch:
 
     def check(self, now: float) -> bool:
         """Look at the calls in progress once; True once the job was ended."""
-        calls = (("data-path collective", self.stats.collective[1], 0.0),
-                 ("negotiation exchange", self.stats.negotiate[1], NEGOTIATION_SLACK_S))
+        calls = (
+            ("data-path collective", self.stats.collective[1], 0.0),
+            ("negotiation exchange", self.stats.negotiate[1], NEGOTIATION_SLACK_S),
+        )
         for kind, since, slack in calls:
             if not since:
                 self._warned.pop(kind, None)
                 continue
             age = now - since
             if 0 < self.shutdown_s <= age - slack:
-                self.abort(f"stall: rank {self.rank} has waited {age:.1f} s in a {kind} that "
-                           f"its peers cannot complete (ranks on other hosts: "
-                           f"{_ranks(self.remote, self.hosts)}): a host is unreachable or its "
-                           f"link has stalled; MPIDP_STALL_SHUTDOWN_S={self.shutdown_s:g}: "
-                           f"ending the job")
+                self.abort(
+                    f"stall: rank {self.rank} has waited {age:.1f} s in a {kind} that "
+                    f"its peers cannot complete (ranks on other hosts: "
+                    f"{_ranks(self.remote, self.hosts)}): a host is unreachable or its "
+                    f"link has stalled; MPIDP_STALL_SHUTDOWN_S={self.shutdown_s:g}: "
+                    f"ending the job"
+                )
                 return True
             if 0 < self.warning_s <= age - slack:
                 start, at = self._warned.get(kind, (None, 0.0))
@@ -113,6 +130,11 @@ class CallWatch:
                     logger.warning(
                         "stall: rank %d has waited %.1f s in a %s for its peers (ranks on "
                         "other hosts: %s): a slow or cut-off link, or a slow rank; repeated "
-                        "every %.0f s while it waits", self.rank, age, kind,
-                        _ranks(self.remote, self.hosts), self.warning_s)
+                        "every %.0f s while it waits",
+                        self.rank,
+                        age,
+                        kind,
+                        _ranks(self.remote, self.hosts),
+                        self.warning_s,
+                    )
         return False

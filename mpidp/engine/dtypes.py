@@ -11,8 +11,18 @@ how to hand each dtype to MPI or to a process group, so the rules live in one pl
 
 import torch
 
-SUPPORTED = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-             torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
+SUPPORTED = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+)
 NAMES = {d: str(d).replace("torch.", "") for d in SUPPORTED}
 BY_NAME = {name: d for d, name in NAMES.items()}
 ITEMSIZE = {name: torch.empty((), dtype=d).element_size() for d, name in NAMES.items()}

@@ -10,12 +10,13 @@ from ..errors import EngineShutdownError
 from ..log import logger
 from . import autotune, call_watch, interrupts, timeline
 from .backends import make_backend
+from .executor import Executor
+from .lane import Lane
+from .lane import plan as lane_plan
 from .messages import OpType
 from .protocol import WAKE_POLL_S, Negotiator
-from .executor import Executor
-from .lane import Lane, plan as lane_plan
-from .stats import EngineStats
 from .response_cache import HIT
+from .stats import EngineStats
 from .tensor_queue import Entry, OpState, TensorQueue, normal_mode
 from .timeline import Timeline
 
@@ -45,8 +46,11 @@ class Engine:
             self.executor = Executor(self.backend, self.stats, self.tuned, self.rank, self.size)
             self.switches = self.tuned.switches
             # Opens its log (rank 0): may fail, as may the timeline's file below.
-            self.sampler = autotune.Sampler(config, self.params()) \
-                if config.autotune and self.rank == 0 else None
+            self.sampler = (
+                autotune.Sampler(config, self.params())
+                if config.autotune and self.rank == 0
+                else None
+            )
             # Rank 0 of the global set only; swapped by start/stop_timeline.
             self.timeline: Optional[Timeline] = timeline.from_start(config, set_id, self.rank)
         except BaseException:
@@ -127,8 +131,11 @@ class Engine:
             interrupts.defer()
             if len(entries) == 1 and self._hold(entries[0], queued=True):
                 self._guarded_cycle(entries[0], self._lone)  # express()'s first cycle
-            while self._reason is None and not all(e.done() for e in entries) \
-                    and not interrupts.pending():
+            while (
+                self._reason is None
+                and not all(e.done() for e in entries)
+                and not interrupts.pending()
+            ):
                 if not self._guarded_cycle():
                     self._back_off()
         finally:
@@ -175,12 +182,16 @@ class Engine:
         """Admit `entry` as the one op in flight, on its cache bit, if express() may run it;
         `queued`: it was submitted and nothing else was (drive() runs it as express() would)."""
         neg = self.neg
-        if (self._reason is not None or self._stop or self.timeline is not None
-                or self.sampler is not None or not neg.quiet()):
+        if (
+            self._reason is not None
+            or self._stop
+            or self.timeline is not None
+            or self.sampler is not None
+            or not neg.quiet()
+        ):
             return False
         status, bit = neg.cache.lookup(entry.name, entry.cache_key)
-        if status != HIT or not (self.queue.take_lone(entry) if queued
-                                 else self.queue.hold(entry)):
+        if status != HIT or not (self.queue.take_lone(entry) if queued else self.queue.hold(entry)):
             return False
         entry.state, entry.bit = OpState.CACHED, bit
         return True
@@ -224,8 +235,9 @@ class Engine:
     def _back_off(self) -> None:
         """Nothing was ready although ops are pending: wait a little for the peers, unless a
         submission arrives (a cycle per submission is what keeps latency low)."""
-        self.queue.sleep(_WAITING_BACKOFF_MAX_S,
-                         lambda: self.queue.has_new() or self._stop or self.neg._due)
+        self.queue.sleep(
+            _WAITING_BACKOFF_MAX_S, lambda: self.queue.has_new() or self._stop or self.neg._due
+        )
 
     def _teardown(self) -> None:
         if self.timeline is not None:
@@ -243,15 +255,24 @@ class Engine:
 
     def _stop_reason(self) -> str:
         if self.set_id:
-            return (f"process set {self.set_id} was removed (a member called "
-                    f"mpidp.remove_process_set() or mpidp.shutdown()) while this op was pending "
-                    f"or after; add the set again on every rank to continue")
+            return (
+                f"process set {self.set_id} was removed (a member called "
+                f"mpidp.remove_process_set() or mpidp.shutdown()) while this op was pending "
+                f"or after; add the set again on every rank to continue"
+            )
         by = self.neg.stopped_by
-        who = "a rank" if not by else (
-            f"rank{'s' if len(by) > 1 else ''} "
-            + ", ".join(f"{r} (host {self.comms.hosts[r]})" for r in by))
-        return (f"mpidp was shut down by {who} (mpidp.shutdown(), or its script ended) while "
-                f"this op was pending; if all ranks still run, mpidp.init() on each starts over")
+        who = (
+            "a rank"
+            if not by
+            else (
+                f"rank{'s' if len(by) > 1 else ''} "
+                + ", ".join(f"{r} (host {self.comms.hosts[r]})" for r in by)
+            )
+        )
+        return (
+            f"mpidp was shut down by {who} (mpidp.shutdown(), or its script ended) while "
+            f"this op was pending; if all ranks still run, mpidp.init() on each starts over"
+        )
 
     def _halt(self, reason: BaseException) -> None:
         """Stop for good: refuse new ops and fail every op in flight with `reason`."""
@@ -267,12 +288,21 @@ class Engine:
             with normal_mode():  # a user thread in inference mode may drive it
                 return self._cycle(first, plan)
         except BaseException as exc:
-            logger.error("engine failed on rank %d%s", self.rank, (
-                ": a second Ctrl-C before the first one's cycle ended" if isinstance(
-                    exc, KeyboardInterrupt) else ":\n" + traceback.format_exc()))
+            logger.error(
+                "engine failed on rank %d%s",
+                self.rank,
+                (
+                    ": a second Ctrl-C before the first one's cycle ended"
+                    if isinstance(exc, KeyboardInterrupt)
+                    else ":\n" + traceback.format_exc()
+                ),
+            )
             self.clean = False  # peers may be in a collective it left: shutdown() ends the job
-            self._halt(EngineShutdownError(f"mpidp's engine failed on rank {self.rank}: "
-                                           f"{type(exc).__name__}: {exc}"))
+            self._halt(
+                EngineShutdownError(
+                    f"mpidp's engine failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+                )
+            )
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt on a driving user thread belongs to the user
             return False
@@ -286,10 +316,15 @@ class Engine:
             assert plan is not None  # express() hands its op with the op's plan
             drained = [first]
             sent = plan.band(first.bit, self.neg.cache.num_bits)
-            responses, stopped, params = self.neg.negotiate_one(first, self.queue.ops,
-                                                                self._stopping, sent)
-            if params is None and len(responses) == 1 and responses[0].name == first.name \
-                    and responses[0].op == OpType.ALLREDUCE:
+            responses, stopped, params = self.neg.negotiate_one(
+                first, self.queue.ops, self._stopping, sent
+            )
+            if (
+                params is None
+                and len(responses) == 1
+                and responses[0].name == first.name
+                and responses[0].op == OpType.ALLREDUCE
+            ):
                 self.executor.run_one(responses[0], first, self.queue, plan)  # the common case
                 return True
         else:
@@ -303,8 +338,12 @@ class Engine:
             # Spin for the peers only while a user thread is blocked on a result: during a
             # backward pass the CPU belongs to the gradients still being computed.
             responses, stopped, params = self.neg.negotiate(
-                self.queue.ops, self._stopping, self._user_waits(), self._tune,
-                lambda: self.timeline)
+                self.queue.ops,
+                self._stopping,
+                self._user_waits(),
+                self._tune,
+                lambda: self.timeline,
+            )
         if stopped:
             self._halt(EngineShutdownError(self._stop_reason()))
             return True

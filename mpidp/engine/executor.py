@@ -52,14 +52,16 @@ class Executor:
                 self.complete(entry, error=MismatchError(resp.error))
             elif resp.op == OpType.JOIN:
                 neg.joined = False
-                neg.resend.update(n for n in resp.pending
-                                  if n not in ops or ops[n].state == OpState.NEW)
+                neg.resend.update(
+                    n for n in resp.pending if n not in ops or ops[n].state == OpState.NEW
+                )
                 self.complete(ops.get(JOIN_NAME), result=(resp.last_joined, resp.serial))
             elif entry is None and resp.op == OpType.BARRIER:
                 continue  # this rank is joined: the others' barrier needs nothing from it
             elif entry is None and resp.op != OpType.ALLREDUCE:
-                raise AssertionError(f"response {resp.name!r} has no local entry on rank "
-                                     f"{self.rank}")
+                raise AssertionError(
+                    f"response {resp.name!r} has no local entry on rank {self.rank}"
+                )
             else:
                 data.append(resp)
         if not data:
@@ -70,8 +72,11 @@ class Executor:
             self.backend.timeline_mark = self._mark = mark
         tuned = self.tuned
         # One op alone (a blocking call's) is its own batch: plan() would find the same.
-        batches = [data] if len(data) == 1 else \
-            fusion.plan(data, tuned.fuse_below_bytes, tuned.fusion_threshold_bytes)
+        batches = (
+            [data]
+            if len(data) == 1
+            else fusion.plan(data, tuned.fuse_below_bytes, tuned.fusion_threshold_bytes)
+        )
         for batch in batches:
             self._batch(batch, [ops.get(r.name) for r in batch], tl)
 
@@ -99,13 +104,18 @@ class Executor:
         entry = entries[0]
         try:
             results = None
-            if op == OpType.ALLREDUCE and entry is not None and len(entry.tensor) == 1 \
-                    and len(batch) == 1:
+            if (
+                op == OpType.ALLREDUCE
+                and entry is not None
+                and len(entry.tensor) == 1
+                and len(batch) == 1
+            ):
                 one = self.backend.allreduce_one(entry)
                 results = None if one is None else [one]
             if results is None:
-                results = self.backend.execute(batch, entries, tuned.fuse_below_bytes,
-                                               tuned.fusion_threshold_bytes)
+                results = self.backend.execute(
+                    batch, entries, tuned.fuse_below_bytes, tuned.fusion_threshold_bytes
+                )
         except Exception as exc:
             self._failed(batch, entries, exc)
             return
@@ -123,11 +133,17 @@ class Executor:
             # The peers may be inside this batch's collective, which this rank will never
             # enter or finish: failing the op here alone would leave them waiting forever
             # (whatever abort_on_error says), so the job ends.
-            mpi.abort_job(f"{batch[0].name!r}: the data path failed on rank {self.rank} "
-                          f"with {type(exc).__name__}: {exc}; the other ranks of this "
-                          f"collective cannot finish it, so every rank of the job is "
-                          f"ended:\n{traceback.format_exc().rstrip()}")
+            mpi.abort_job(
+                f"{batch[0].name!r}: the data path failed on rank {self.rank} "
+                f"with {type(exc).__name__}: {exc}; the other ranks of this "
+                f"collective cannot finish it, so every rank of the job is "
+                f"ended:\n{traceback.format_exc().rstrip()}"
+            )
         logger.error("%s failed:\n%s", batch[0].name, traceback.format_exc())
         for entry in entries:  # alone, a bad buffer fails its ops, not the engine
-            self.complete(entry, error=EngineShutdownError(
-                f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"))
+            self.complete(
+                entry,
+                error=EngineShutdownError(
+                    f"{batch[0].name!r}: data path failed on rank {self.rank}: {exc}"
+                ),
+            )

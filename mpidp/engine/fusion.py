@@ -18,8 +18,9 @@ def tensor_count(batch: Sequence[Response]) -> int:
     return sum(len(r.request.parts) or 1 if r.request is not None else 1 for r in batch)
 
 
-def plan(responses: List[Response], fuse_below_bytes: int,
-         fusion_threshold_bytes: int) -> List[List[Response]]:
+def plan(
+    responses: List[Response], fuse_below_bytes: int, fusion_threshold_bytes: int
+) -> List[List[Response]]:
     """Group ready responses into batches executed in order.
 
     Single-tensor allreduces smaller than `fuse_below_bytes` with equal dtype, reduce op, scale
@@ -44,8 +45,14 @@ def plan(responses: List[Response], fuse_below_bytes: int,
         req = resp.request
         # Device kind, not index: the response carries the coordinator's device string, and each
         # rank runs its batches on its own GPU (whatever its index), so only the kind is shared.
-        key = (req.dtype, req.reduce_op, req.prescale, req.postscale,
-               req.device.split(":")[0], resp.joined)
+        key = (
+            req.dtype,
+            req.reduce_op,
+            req.prescale,
+            req.postscale,
+            req.device.split(":")[0],
+            resp.joined,
+        )
         idx = open_batch.get(key)
         if idx is not None and open_bytes[key] + size <= fusion_threshold_bytes:
             batches[idx].append(resp)
@@ -86,8 +93,9 @@ class PartPlanner:
     def __init__(self):
         self._memo: Dict[tuple, Tuple[List[Response], tuple, List[PartGroup]]] = {}
 
-    def __call__(self, batch: List[Response], fuse_below_bytes: int,
-                 fusion_threshold_bytes: int) -> List[PartGroup]:
+    def __call__(
+        self, batch: List[Response], fuse_below_bytes: int, fusion_threshold_bytes: int
+    ) -> List[PartGroup]:
         """The groups, in the order they are reduced (every rank the same)."""
         key = tuple(map(id, batch))
         limits = (fuse_below_bytes, fusion_threshold_bytes)
@@ -97,15 +105,17 @@ class PartPlanner:
         if len(self._memo) >= self._LIMIT:
             self._memo.clear()
         shapes = [s for r in batch for s in part_shapes(r.request)]
-        groups = [PartGroup(packed, idx, shapes)
-                  for packed, idx in _groups(batch, shapes, fuse_below_bytes,
-                                             fusion_threshold_bytes)]
+        groups = [
+            PartGroup(packed, idx, shapes)
+            for packed, idx in _groups(batch, shapes, fuse_below_bytes, fusion_threshold_bytes)
+        ]
         self._memo[key] = (list(batch), limits, groups)
         return groups
 
 
-def _groups(batch: List[Response], shapes, fuse_below_bytes: int,
-            fusion_threshold_bytes: int) -> List[Tuple[bool, List[int]]]:
+def _groups(
+    batch: List[Response], shapes, fuse_below_bytes: int, fusion_threshold_bytes: int
+) -> List[Tuple[bool, List[int]]]:
     item = _ITEMSIZE[batch[0].request.dtype]
     if len(batch) > 1:  # a batch that plan() fused is packed whole, as plan() sized it
         return [(True, list(range(len(shapes))))]
@@ -114,8 +124,11 @@ def _groups(batch: List[Response], shapes, fuse_below_bytes: int,
     packed_bytes = 0
     for i, shape in enumerate(shapes):
         size = math.prod(shape) * item
-        small = fusion_threshold_bytes > 0 and size < fuse_below_bytes \
+        small = (
+            fusion_threshold_bytes > 0
+            and size < fuse_below_bytes
             and size <= fusion_threshold_bytes
+        )
         if not small:
             groups.append((False, [i]))
             continue

@@ -25,6 +25,7 @@ def _combine(fn: Callable, dtype: torch.dtype) -> Callable:
         # MPI hands raw memory; a zero-length call must not reach frombuffer (it refuses).
         if len(memoryview(inoutbuf).cast("B")):
             fn(torch.frombuffer(inoutbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype))
+
     return combine
 
 
@@ -36,8 +37,13 @@ def _max(acc, x):
     torch.maximum(acc, x, out=acc)
 
 
-_FNS = {ReduceOp.SUM: torch.Tensor.add_, ReduceOp.AVERAGE: torch.Tensor.add_,
-        ReduceOp.MIN: _min, ReduceOp.MAX: _max, ReduceOp.PRODUCT: torch.Tensor.mul_}
+_FNS = {
+    ReduceOp.SUM: torch.Tensor.add_,
+    ReduceOp.AVERAGE: torch.Tensor.add_,
+    ReduceOp.MIN: _min,
+    ReduceOp.MAX: _max,
+    ReduceOp.PRODUCT: torch.Tensor.mul_,
+}
 
 
 def combiner(dtype: torch.dtype, reduce_op: int) -> Callable:

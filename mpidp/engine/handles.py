@@ -11,7 +11,8 @@ from ..errors import OpTimeoutError
 def _timed_out(name: str, timeout: float) -> OpTimeoutError:
     return OpTimeoutError(
         f"op {name!r} did not complete within {timeout:g} s and is still pending; call "
-        f"synchronize() again, and check the other ranks (see mpidp's stall warning in the log)")
+        f"synchronize() again, and check the other ranks (see mpidp's stall warning in the log)"
+    )
 
 
 class Handle:
@@ -99,8 +100,10 @@ class HandleTable:
         try:
             return self._ops[hid]
         except (KeyError, TypeError):
-            raise ValueError(f"handle {hid!r} is unknown: it was already synchronized, or it "
-                             f"belongs to an earlier init()") from None
+            raise ValueError(
+                f"handle {hid!r} is unknown: it was already synchronized, or it "
+                f"belongs to an earlier init()"
+            ) from None
 
     def when_done(self, hid: int, fn: Callable[[], None]) -> None:
         """Call `fn()` once, when every op of handle `hid` has completed: on the thread that
@@ -136,8 +139,9 @@ class HandleTable:
         try:
             for h in members:
                 try:
-                    results.append(h.wait(None if deadline is None
-                                          else max(0.0, deadline - time.monotonic())))
+                    results.append(
+                        h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                    )
                 except OpTimeoutError:
                     # The engine may complete the member between the timed-out wait and this
                     # check; then the op is done and the handle is spent as usual.

@@ -14,12 +14,13 @@ import signal
 import threading
 
 _MAIN = threading.main_thread().ident
-_driving = False   # the main thread is running engine cycles
-_pending = False   # a SIGINT arrived meanwhile, not raised yet
+_driving = False  # the main thread is running engine cycles
+_pending = False  # a SIGINT arrived meanwhile, not raised yet
 # What batch systems send before they end a job (Slurm: SIGTERM at scancel and preemption,
 # SIGUSR1/2 with --signal), which scripts (Lightning among them) catch in Python.
-_JOB_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2")
-                     if hasattr(signal, n))
+_JOB_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)
+)
 
 
 def _on_sigint(signum, frame):
@@ -34,8 +35,10 @@ def _on_sigint(signum, frame):
 def install() -> None:
     """Defer SIGINT during driven cycles, if this is the main thread and SIGINT still has
     Python's own handler (a script's handler is left alone)."""
-    if threading.get_ident() != _MAIN or signal.getsignal(signal.SIGINT) is not \
-            signal.default_int_handler:
+    if (
+        threading.get_ident() != _MAIN
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         return
     signal.signal(signal.SIGINT, _on_sigint)
 

@@ -6,7 +6,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import band as layout, mpi, scaling
+from . import band as layout
+from . import mpi, scaling
 from .backends.host import HostBackend
 from .messages import OpType, ReduceOp
 
@@ -24,8 +25,9 @@ class Lane:
 
     __slots__ = ("backend", "op", "factor", "nbytes", "bit", "num_bits", "sent")
 
-    def __init__(self, backend: Optional[HostBackend] = None, op=None, factor: float = 1.0,
-                 nbytes: int = 0):
+    def __init__(
+        self, backend: Optional[HostBackend] = None, op=None, factor: float = 1.0, nbytes: int = 0
+    ):
         self.backend = backend
         self.op = op
         self.factor = factor
@@ -59,9 +61,14 @@ class Lane:
 
 def plan(route, req, t: torch.Tensor, size: int) -> Lane:
     """The Lane for allreduce request `req` of tensor `t` alone on data path `route`."""
-    if type(route) is not HostBackend or route.hierarchical or t.device.type != "cpu" \
-            or t.dtype not in _PLAIN or req.prescale != 1.0 \
-            or req.reduce_op == ReduceOp.ADASUM:
+    if (
+        type(route) is not HostBackend
+        or route.hierarchical
+        or t.device.type != "cpu"
+        or t.dtype not in _PLAIN
+        or req.prescale != 1.0
+        or req.reduce_op == ReduceOp.ADASUM
+    ):
         return Lane()
     nbytes = t.numel() * t.element_size()
     if nbytes > route.chunk_bytes > 0:

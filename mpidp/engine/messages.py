@@ -14,8 +14,8 @@ class OpType(enum.IntEnum):
     REDUCESCATTER = 4
     BARRIER = 5
     JOIN = 6
-    ERROR = 7      # response only: the request failed on every rank
-    SHUTDOWN = 8   # response only: the coordinator stops the engine
+    ERROR = 7  # response only: the request failed on every rank
+    SHUTDOWN = 8  # response only: the coordinator stops the engine
 
 
 class ReduceOp(enum.IntEnum):
@@ -39,10 +39,15 @@ class ReduceOp(enum.IntEnum):
 ORDERED_PREFIX = "torch."
 JOIN_NAME = "mpidp.join"  # the one name join() requests use on every rank
 
-OP_NAMES = {OpType.ALLREDUCE: "allreduce", OpType.ALLGATHER: "allgather",
-            OpType.BROADCAST: "broadcast", OpType.ALLTOALL: "alltoall",
-            OpType.REDUCESCATTER: "reducescatter", OpType.BARRIER: "barrier",
-            OpType.JOIN: "join"}
+OP_NAMES = {
+    OpType.ALLREDUCE: "allreduce",
+    OpType.ALLGATHER: "allgather",
+    OpType.BROADCAST: "broadcast",
+    OpType.ALLTOALL: "alltoall",
+    OpType.REDUCESCATTER: "reducescatter",
+    OpType.BARRIER: "barrier",
+    OpType.JOIN: "join",
+}
 
 
 class Request(NamedTuple):
@@ -72,8 +77,17 @@ class Request(NamedTuple):
             shape = ("*",) + tuple(self.shape[1:]) if self.shape else ("scalar",)
         else:
             shape = self.shape
-        return (self.op, self.dtype, shape, self.device.split(":")[0], self.reduce_op,
-                self.prescale, self.postscale, self.root, self.parts)
+        return (
+            self.op,
+            self.dtype,
+            shape,
+            self.device.split(":")[0],
+            self.reduce_op,
+            self.prescale,
+            self.postscale,
+            self.root,
+            self.parts,
+        )
 
     def cache_key(self) -> tuple:
         """What must not change for a cached response to be reused by this rank.
@@ -95,12 +109,12 @@ class Response(NamedTuple):
 
     name: str
     op: int
-    request: Request                           # canonical metadata (used by joined ranks too)
-    first_dims: Tuple[int, ...] = ()           # allgather: each rank's dim 0
-    error: str = ""                             # ERROR/SHUTDOWN: the message for every rank
-    last_joined: int = -1                       # JOIN: the rank that joined last
-    joined: Tuple[int, ...] = ()                # ranks joined when this response was made
-    serial: int = 0                             # JOIN: the highest unnamed-op count of any rank
+    request: Request  # canonical metadata (used by joined ranks too)
+    first_dims: Tuple[int, ...] = ()  # allgather: each rank's dim 0
+    error: str = ""  # ERROR/SHUTDOWN: the message for every rank
+    last_joined: int = -1  # JOIN: the rank that joined last
+    joined: Tuple[int, ...] = ()  # ranks joined when this response was made
+    serial: int = 0  # JOIN: the highest unnamed-op count of any rank
     # JOIN: names that some ranks sent the coordinator while ranks were joined (so off their
     # cache bits); the others must send theirs there too, even if their cache has the name.
     pending: Tuple[str, ...] = ()

@@ -15,14 +15,26 @@ from ..log import logger
 from .messages import ReduceOp
 
 _MPI_OPS: Dict[int, MPI.Op] = {  # ReduceOp keys: an IntEnum hashes as its int
-    ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-    ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.BAND: MPI.BAND,
-    ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVERAGE: MPI.SUM,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR,
+    ReduceOp.BXOR: MPI.BXOR,
+}
 # MPI's arithmetic ops are not defined on C_BOOL; the logical ones are what Sum/Min/... mean there.
 _BOOL_OPS: Dict[int, MPI.Op] = {
-    ReduceOp.SUM: MPI.LOR, ReduceOp.AVERAGE: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-    ReduceOp.MIN: MPI.LAND, ReduceOp.PRODUCT: MPI.LAND, ReduceOp.BAND: MPI.LAND,
-    ReduceOp.BOR: MPI.LOR, ReduceOp.BXOR: MPI.LXOR}
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.AVERAGE: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.MIN: MPI.LAND,
+    ReduceOp.PRODUCT: MPI.LAND,
+    ReduceOp.BAND: MPI.LAND,
+    ReduceOp.BOR: MPI.LOR,
+    ReduceOp.BXOR: MPI.LXOR,
+}
 
 # How a thread that waits for a result waits (wait() with `spin`): it tests the request and
 # yields the core between tests, as MPICH's own blocking wait does. MPICH advances a non-blocking
@@ -33,7 +45,7 @@ _BOOL_OPS: Dict[int, MPI.Op] = {
 # allreduce at n=3-4 on 2 cores). After _YIELD_S of yielding the wait turns to sleeps, so a
 # rank blocked on a peer that is seconds late (a straggler, a stalled rank) does not hold a core.
 _YIELD_S = 10e-3
-_POLL_EVERY_S = 1e-3          # poll()'s pace while yielding
+_POLL_EVERY_S = 1e-3  # poll()'s pace while yielding
 _SLEEP_MAX_S = 1e-3
 
 
@@ -44,8 +56,7 @@ def mpi_op(reduce_op: int, is_bool: bool):
 def user_op(combine):
     """A commutative MPI reduction op whose combine step is `combine(inbuf, inoutbuf)`. MPI
     calls it on the thread that drives the collective (mpi4py takes the GIL around the call)."""
-    return MPI.Op.Create(lambda inbuf, inoutbuf, _datatype: combine(inbuf, inoutbuf),
-                         commute=True)
+    return MPI.Op.Create(lambda inbuf, inoutbuf, _datatype: combine(inbuf, inoutbuf), commute=True)
 
 
 def wait(request, spin: bool = True, poll=None, status=None) -> None:
@@ -98,7 +109,8 @@ class Comms:
             raise ConfigError(
                 f"MPIDP_SIMULATED_LOCAL_SIZE={simulated_local_size} is larger than the "
                 f"{world_size} ranks of the job; use a value from 1 to {world_size}, or 0 to "
-                f"ask MPI which ranks share a node")
+                f"ask MPI which ranks share a node"
+            )
         self.world = base.Dup()
         self.rank = self.world.Get_rank()
         self.size = self.world.Get_size()
@@ -119,7 +131,8 @@ class Comms:
         # Marks this engine's wake-ups: a freed communicator's context id may come back in a
         # later Dup, with an old wake-up still queued for it, which must not reach a new engine.
         self.epoch = self.world.bcast(
-            int.from_bytes(os.urandom(7), "little") if self.rank == 0 else None, root=0)
+            int.from_bytes(os.urandom(7), "little") if self.rank == 0 else None, root=0
+        )
 
     @property
     def spans_hosts(self) -> bool:
@@ -139,6 +152,7 @@ class Comms:
 
 # ---- facts about the MPI library (for `doctor`; the file's own facts: mpi_library.py) ----
 
+
 def world() -> Optional[tuple]:
     """(rank, size) in COMM_WORLD, or None once MPI is finalized."""
     if MPI.Is_finalized():
@@ -153,8 +167,12 @@ def library_version() -> str:
 
 def thread_level_name() -> str:
     """The thread level MPI was initialised with: single, funneled, serialized or multiple."""
-    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    names = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
     level = MPI.Query_thread()
     return names.get(level, str(level))
 
@@ -180,7 +198,7 @@ class WakeBox:
         self._recv = self._post()
         self._sends: List[MPI.Request] = []
         self.sent = [0] * comm.Get_size()  # wake-ups of this epoch sent to each rank
-        self._got = 0                       # wake-ups of this epoch received
+        self._got = 0  # wake-ups of this epoch received
 
     def _post(self):
         return self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_WAKE_TAG)
@@ -248,6 +266,7 @@ def abort_job(message: str) -> None:
 
 # ---- negotiation (on the control communicator, non-blocking and polled) ----
 
+
 def allreduce_band(comm, band: bytearray, spin: bool = True, poll=None) -> None:
     """Bitwise AND of a buffer of uint64 words across ranks, in place; `poll` as in wait()."""
     wait(comm.Iallreduce(MPI.IN_PLACE, [band, MPI.UINT64_T], op=MPI.BAND), spin, poll)
@@ -267,7 +286,7 @@ def gather_objects(comm, obj, root: int) -> Optional[list]:
     buf = np.empty(int(lengths.sum()), dtype=np.uint8)
     wait(comm.Igatherv([data, MPI.BYTE], [buf, (lengths, None), MPI.BYTE], root=root))
     offsets = [0, *np.cumsum(lengths).tolist()]
-    return [pickle.loads(buf[offsets[i]:offsets[i + 1]].tobytes()) for i in range(size)]
+    return [pickle.loads(buf[offsets[i] : offsets[i + 1]].tobytes()) for i in range(size)]
 
 
 def allgather_object(comm, obj) -> list:
@@ -278,8 +297,11 @@ def allgather_object(comm, obj) -> list:
 def bcast_object(comm, obj, root: int):
     """Broadcast a picklable object from `root` (length, then bytes)."""
     is_root = comm.Get_rank() == root
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
-                         dtype=np.uint8) if is_root else np.empty(0, dtype=np.uint8)
+    data = (
+        np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        if is_root
+        else np.empty(0, dtype=np.uint8)
+    )
     length = np.array([data.size], dtype=np.int64)
     wait(comm.Ibcast([length, MPI.INT64_T], root=root))
     if not is_root:
@@ -290,8 +312,10 @@ def bcast_object(comm, obj, root: int):
 
 # ---- data path on host memory (blocking: after negotiation every rank is in step) ----
 
-def allreduce(comm, send: Optional[Buffer], recv: Buffer, op, busy=None,
-              network: bool = False) -> None:
+
+def allreduce(
+    comm, send: Optional[Buffer], recv: Buffer, op, busy=None, network: bool = False
+) -> None:
     """Allreduce into `recv`; `send=None` means in place.
 
     MPICH's blocking wait busy-polls a core until the peers arrive. That is fastest when a user
@@ -356,6 +380,7 @@ def allgather(comm, send, recv) -> None:
 
 
 # ---- point to point (Adasum's exchanges between pairs of ranks: adasum.py) ----
+
 
 def exchange(comm, send: np.ndarray, recv: np.ndarray, peer: int, tag: int, spin: bool) -> None:
     """Send the bytes of `send` to `peer` and receive `recv` from it, polled by wait() so that

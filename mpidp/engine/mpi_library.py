@@ -12,8 +12,11 @@ def _libmpi_paths():
             paths = {line.split()[-1] for line in maps if "/libmpi" in line}
     except OSError:
         return []
-    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi.so")
-                  or os.path.basename(p).startswith("libmpi_"))
+    return sorted(
+        p
+        for p in paths
+        if os.path.basename(p).startswith("libmpi.so") or os.path.basename(p).startswith("libmpi_")
+    )
 
 
 def cuda_aware_support() -> Optional[bool]:

@@ -21,8 +21,11 @@ def _describe(field: str, request: Request):
             return f"{len(request.parts)} tensors of shapes [{shapes}] {request.dtype}"
         return f"shape {tuple(request.shape)} {request.dtype}"
     if field == "trailing":
-        return f"shape (*, {', '.join(map(str, request.shape[1:]))}) {request.dtype}" \
-            if len(request.shape) > 1 else f"shape {tuple(request.shape)} {request.dtype}"
+        return (
+            f"shape (*, {', '.join(map(str, request.shape[1:]))}) {request.dtype}"
+            if len(request.shape) > 1
+            else f"shape {tuple(request.shape)} {request.dtype}"
+        )
     if field == "device":
         return f"device {request.device.split(':')[0]}"
     return f"{field} {getattr(request, field)!r}"
@@ -67,28 +70,41 @@ def validate(requests: Dict[int, Request], joined: Sequence[int]) -> str:
     part = _first_differing_part(requests)
     if part is not None:  # name the tensor of a group that differs, as '<name>.<index>'
         label = op_label(first._replace(name=f"{first.name}.{part}"))
-        requests = {r: req._replace(shape=req.parts[part] if part < len(req.parts) else (),
-                                    parts=()) for r, req in requests.items()}
+        requests = {
+            r: req._replace(shape=req.parts[part] if part < len(req.parts) else (), parts=())
+            for r, req in requests.items()
+        }
     for field in _fields(first.op) if all(r.op == first.op for r in requests.values()) else ["op"]:
         groups: Dict[object, List[int]] = {}
         for rank, req in requests.items():
             groups.setdefault(_key(field, req), []).append(rank)
         if len(groups) > 1:
-            parts = [f"{_ranks(ranks)} sent {_describe(field, requests[ranks[0]])}"
-                     for ranks in sorted(groups.values())]
+            parts = [
+                f"{_ranks(ranks)} sent {_describe(field, requests[ranks[0]])}"
+                for ranks in sorted(groups.values())
+            ]
             return f"{label}: " + ", ".join(parts)
     if joined and first.op not in (OpType.ALLREDUCE, OpType.BARRIER):
-        hint = ("; a sparse allreduce is an allgather: DistributedOptimizer(..., "
-                "sparse_as_dense=True) reduces sparse gradients as dense ones, which can run"
-                if first.op == OpType.ALLGATHER else "")
-        return (f"{label}: {_ranks(joined)} already called join(); only allreduce may run while "
-                f"ranks are joined{hint}")
-    if first.op == OpType.ALLREDUCE and joined and first.reduce_op in (ReduceOp.MIN, ReduceOp.MAX,
-                                                                          ReduceOp.PRODUCT,
-                                                                          ReduceOp.BAND):
+        hint = (
+            "; a sparse allreduce is an allgather: DistributedOptimizer(..., "
+            "sparse_as_dense=True) reduces sparse gradients as dense ones, which can run"
+            if first.op == OpType.ALLGATHER
+            else ""
+        )
+        return (
+            f"{label}: {_ranks(joined)} already called join(); only allreduce may run while "
+            f"ranks are joined{hint}"
+        )
+    if (
+        first.op == OpType.ALLREDUCE
+        and joined
+        and first.reduce_op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT, ReduceOp.BAND)
+    ):
         # Zeros from joined ranks would silently change a min, max or product.
-        return (f"{label}: reduce op {ReduceOp(first.reduce_op).name.capitalize()} cannot run "
-                f"while {_ranks(joined)} are joined (they contribute zeros); use Sum or Average")
+        return (
+            f"{label}: reduce op {ReduceOp(first.reduce_op).name.capitalize()} cannot run "
+            f"while {_ranks(joined)} are joined (they contribute zeros); use Sum or Average"
+        )
     return ""
 
 
@@ -137,12 +153,20 @@ class MessageTable:
             dims: Tuple[int, ...] = ()
             if first.op == OpType.ALLGATHER:
                 dims = tuple(slot[r].shape[0] if slot[r].shape else 1 for r in range(self.size))
-            out.append(Response(name, first.op, first, first_dims=dims,
-                                joined=tuple(sorted(absent))))
+            out.append(
+                Response(name, first.op, first, first_dims=dims, joined=tuple(sorted(absent)))
+            )
         if len(self.joined) == self.size:
-            out.append(Response(JOIN_NAME, OpType.JOIN, Request(JOIN_NAME, OpType.JOIN),
-                                last_joined=self.joined[-1], serial=self.join_serial,
-                                pending=tuple(self.table)))
+            out.append(
+                Response(
+                    JOIN_NAME,
+                    OpType.JOIN,
+                    Request(JOIN_NAME, OpType.JOIN),
+                    last_joined=self.joined[-1],
+                    serial=self.join_serial,
+                    pending=tuple(self.table),
+                )
+            )
             self.joined, self.serves = [], {}
             self.join_serial = 0
         return out

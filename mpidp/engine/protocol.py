@@ -51,7 +51,8 @@ coordinator gets every rank's snapshot and names the missing ranks.
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import band as layout, mpi
+from . import band as layout
+from . import mpi
 from .messages import ORDERED_PREFIX, OpType, Request, Response
 from .negotiation import MessageTable
 from .response_cache import HIT, INVALID, ResponseCache
@@ -60,8 +61,13 @@ from .tensor_queue import Entry, OpState
 
 F_UNCACHED, F_SHUTDOWN, F_STALL, F_JOINED, F_TUNE = 1, 2, 4, 8, 16
 _WAKING = F_SHUTDOWN | F_STALL  # the flags worth waking a sleeping peer for
-CACHEABLE = (OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
-             OpType.REDUCESCATTER)
+CACHEABLE = (
+    OpType.ALLREDUCE,
+    OpType.ALLGATHER,
+    OpType.BROADCAST,
+    OpType.ALLTOALL,
+    OpType.REDUCESCATTER,
+)
 # How often a sleeping engine tests for wake-ups: a peer's shutdown or stall check reaches it
 # within this. The test itself costs under 1 us, but waking the thread costs about 150 us of CPU
 # on this VM (timer wake-ups are dear here): 0.05 s measured 0.30 % of a core, hence 0.1 s.
@@ -79,15 +85,16 @@ class Negotiator:
         self.peers = [r for r in range(self.size) if r != self.rank]
         self.cache = ResponseCache(config.cache_capacity)
         self.table = MessageTable(self.size) if self.rank == 0 else None
-        self.stall = StallInspector(self.size, config.stall_warning_s, config.stall_shutdown_s,
-                                    config.order_check_s)
+        self.stall = StallInspector(
+            self.size, config.stall_warning_s, config.stall_shutdown_s, config.order_check_s
+        )
         self.stats = stats
         self.invalid = set()
-        self.joined = False   # this rank's JOIN is pending
-        self.resend = set()   # names to send the coordinator, not to cache bits (Response.pending)
-        self.cycles = 0       # cycles completed: the same count on every rank between cycles
-        self._woken = 0       # flags that peers' wake-ups ask for in the next cycle
-        self._due = False     # a wake-up asks this rank to run the next cycle
+        self.joined = False  # this rank's JOIN is pending
+        self.resend = set()  # names to send the coordinator, not to cache bits (Response.pending)
+        self.cycles = 0  # cycles completed: the same count on every rank between cycles
+        self._woken = 0  # flags that peers' wake-ups ask for in the next cycle
+        self._due = False  # a wake-up asks this rank to run the next cycle
         self._asked_stop = False  # this rank raised SHUTDOWN in the cycle in flight
         self.stopped_by: List[int] = []  # the ranks that raised SHUTDOWN, once it is agreed
 
@@ -121,9 +128,14 @@ class Negotiator:
 
     # ---- one cycle ----
 
-    def negotiate(self, ops: Dict[str, Entry], stopping: Callable[[], bool], spin: bool,
-                  tune=None, timeline=lambda: None) -> Tuple[List[Response], bool,
-                                                            Optional[dict]]:
+    def negotiate(
+        self,
+        ops: Dict[str, Entry],
+        stopping: Callable[[], bool],
+        spin: bool,
+        tune=None,
+        timeline=lambda: None,
+    ) -> Tuple[List[Response], bool, Optional[dict]]:
         """Run steps 2-4 for the admitted ops in `ops`: (ready responses in order, whether the
         engine stops, autotune parameters to switch to or None). `timeline()` gives the
         timeline to record in, read after the band (one may be started while it waits).
@@ -145,8 +157,9 @@ class Negotiator:
         if tune is not None:
             flags |= F_TUNE
         cached = layout.bits_int(e.bit for e in admitted if e.state == OpState.CACHED)
-        band = layout.pack(layout.part_bytes(self.cache.num_bits), cached,
-                           layout.bits_int(self.invalid), flags)
+        band = layout.pack(
+            layout.part_bytes(self.cache.num_bits), cached, layout.bits_int(self.invalid), flags
+        )
         self.invalid = set()
         self._exchange(band, flags, admitted, oldest, stopping, spin)
         return self._read(band, ops, admitted, tune, timeline)
@@ -156,8 +169,9 @@ class Negotiator:
         no invalid bit to announce (Engine.express may then run negotiate_one)."""
         return not (self._due or self._woken or self.joined or self.invalid or self.resend)
 
-    def negotiate_one(self, entry: Entry, ops: Dict[str, Entry], stopping: Callable[[], bool],
-                      sent: bytes):
+    def negotiate_one(
+        self, entry: Entry, ops: Dict[str, Entry], stopping: Callable[[], bool], sent: bytes
+    ):
         """negotiate() for a lone CACHED op on a quiet() rank, spinning: the band `sent` is
         this op's bit alone (lane.Lane.band), and when it comes back unchanged (every rank is
         ready for this op and nothing else) the answer is its cached response without parsing
@@ -177,12 +191,22 @@ class Negotiator:
         """Whether to ask for a stall check: an op waited too long (or an ordered one, which
         torch.distributed's calls are, past order_check_s: the ranks may disagree)."""
         now = time.monotonic()
-        ordered = min((e.submitted for e in admitted if e.name.startswith(ORDERED_PREFIX)),
-                      default=now) if self.stall.order_check_s > 0 else now
+        ordered = (
+            min((e.submitted for e in admitted if e.name.startswith(ORDERED_PREFIX)), default=now)
+            if self.stall.order_check_s > 0
+            else now
+        )
         return self.stall.should_raise(now - oldest, now - ordered)
 
-    def _exchange(self, band: bytearray, flags: int, admitted: List[Entry], oldest: float,
-                  stopping: Callable[[], bool], spin: bool) -> None:
+    def _exchange(
+        self,
+        band: bytearray,
+        flags: int,
+        admitted: List[Entry],
+        oldest: float,
+        stopping: Callable[[], bool],
+        spin: bool,
+    ) -> None:
         """Step 2: the band allreduce, waking sleeping peers when a reason arises (now or
         while it waits); counts the cycle."""
         sent = flags & _WAKING
@@ -204,8 +228,7 @@ class Negotiator:
         self._asked_stop = stopping()
         self.cycles += 1
 
-    def _read(self, band: bytearray, ops: Dict[str, Entry], admitted: List[Entry], tune,
-              timeline):
+    def _read(self, band: bytearray, ops: Dict[str, Entry], admitted: List[Entry], tune, timeline):
         """Steps 3-4 on the reduced band: negotiate()'s result."""
         st = self.stats
         timeline = timeline()
@@ -259,8 +282,9 @@ class Negotiator:
         ages = [now - e.submitted for e in outgoing]
         for e in outgoing:
             e.state = OpState.SENT
-        snapshot = [(e.request.name, now - e.submitted) for e in admitted] \
-            if flags & F_STALL else None
+        snapshot = (
+            [(e.request.name, now - e.submitted) for e in admitted] if flags & F_STALL else None
+        )
         gathered = mpi.gather_objects(self.control, (requests, snapshot, ages), 0)
         responses = None
         if self.rank == 0:
@@ -278,13 +302,17 @@ class Negotiator:
                 if disorder is not None:
                     names, error = disorder
                     self.table.drop(names)
-                    responses += [Response(n, OpType.ERROR, Request(n, OpType.ERROR), error=error)
-                                  for n in names]
-                reason = self.stall.inspect({r: snap for r, (_, snap, _) in enumerate(gathered)},
-                                            self.table.joined)
+                    responses += [
+                        Response(n, OpType.ERROR, Request(n, OpType.ERROR), error=error)
+                        for n in names
+                    ]
+                reason = self.stall.inspect(
+                    {r: snap for r, (_, snap, _) in enumerate(gathered)}, self.table.joined
+                )
                 if reason:
-                    responses.append(Response("", OpType.SHUTDOWN, Request("", OpType.SHUTDOWN),
-                                               error=reason))
+                    responses.append(
+                        Response("", OpType.SHUTDOWN, Request("", OpType.SHUTDOWN), error=reason)
+                    )
         params = None
         if flags & F_TUNE:
             # Every rank takes rank 0's new parameters before executing this cycle's batches.

@@ -18,7 +18,7 @@ def _ranks(ranks) -> str:
 def _describe(name: str) -> str:
     """'allreduce float32[3, 4] (op 'torch.w.allreduce.float32[3, 4]#0')' from an ordered op's
     name (prefix, group, kind, signature, count)."""
-    parts = name[len(ORDERED_PREFIX):].split(".", 2)
+    parts = name[len(ORDERED_PREFIX) :].split(".", 2)
     if len(parts) == 3:
         return f"{parts[1]} {parts[2].rsplit('#', 1)[0]} (op {name!r})"
     return repr(name)
@@ -34,8 +34,7 @@ class StallInspector:
     """Warns of each stalled name, again every warning_s while it waits (as Horovod does);
     returns a shutdown reason once a stall outlives the limit."""
 
-    def __init__(self, size: int, warning_s: float, shutdown_s: float,
-                 order_check_s: float = 0.0):
+    def __init__(self, size: int, warning_s: float, shutdown_s: float, order_check_s: float = 0.0):
         self.size = size
         self.warning_s = warning_s
         self.shutdown_s = shutdown_s
@@ -68,8 +67,10 @@ class StallInspector:
         order always share the oldest pending call of the last of them to arrive, so when every
         rank waits on ordered calls and none is common to all, they called different ones."""
         ranks = [r for r in range(self.size) if r not in set(joined)]
-        ordered = {r: [(n, a) for n, a in snapshots.get(r, ()) if n.startswith(ORDERED_PREFIX)]
-                   for r in ranks}
+        ordered = {
+            r: [(n, a) for n, a in snapshots.get(r, ()) if n.startswith(ORDERED_PREFIX)]
+            for r in ranks
+        }
         if len(ranks) < 2 or not all(ordered.values()):
             return None
         common = set.intersection(*({n for n, _ in items} for items in ordered.values()))
@@ -78,12 +79,15 @@ class StallInspector:
         oldest: Dict[str, List[int]] = {}
         for r, items in ordered.items():
             oldest.setdefault(max(items, key=lambda item: item[1])[0], []).append(r)
-        calls = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} called "
-                          f"{_describe(name)}" for name, rs in
-                          sorted(oldest.items(), key=lambda kv: kv[1]))
+        calls = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {_ranks(rs)} called {_describe(name)}"
+            for name, rs in sorted(oldest.items(), key=lambda kv: kv[1])
+        )
         names = sorted({n for items in ordered.values() for n, _ in items})
-        return names, (f"ranks called different collectives: {calls}; every rank of a group "
-                       f"must make the same calls (collective, dtypes, shapes) in the same order")
+        return names, (
+            f"ranks called different collectives: {calls}; every rank of a group "
+            f"must make the same calls (collective, dtypes, shapes) in the same order"
+        )
 
     def inspect(self, snapshots: Dict[int, Snapshot], joined: Sequence[int]) -> Optional[str]:
         """Log stalled names with their missing ranks; return a shutdown reason if one is due."""
@@ -99,8 +103,11 @@ class StallInspector:
             if missing:
                 stalled.append((age[name], name, ranks, missing))
         stalled.sort(reverse=True)
-        lines = [f"  {name!r}: waited {a:.1f} s; missing ranks {_ranks(missing)} "
-                 f"(submitted by {_ranks(ranks)})" for a, name, ranks, missing in stalled]
+        lines = [
+            f"  {name!r}: waited {a:.1f} s; missing ranks {_ranks(missing)} "
+            f"(submitted by {_ranks(ranks)})"
+            for a, name, ranks, missing in stalled
+        ]
         if self.warning_s > 0:
             # Forget names that completed; a name whose start moved on by more than
             # warning_s / 2 is a new stall.
@@ -122,14 +129,22 @@ class StallInspector:
                 logger.warning(
                     "stall: %d op(s) submitted by some ranks but not others for more than "
                     "%.0f s (a rank is slow, stuck, or submits different names; repeated every "
-                    "%.0f s while they wait):\n%s", len(fresh), self.warning_s, self.warning_s,
-                    "\n".join(fresh))
+                    "%.0f s while they wait):\n%s",
+                    len(fresh),
+                    self.warning_s,
+                    self.warning_s,
+                    "\n".join(fresh),
+                )
         if self.shutdown_s > 0 and stalled and stalled[0][0] >= self.shutdown_s:
             # Every rank gets this reason: name each stalled op, so that each finds its own.
-            shown = ", ".join(f"op {name!r} waited {a:.1f} s for ranks {_ranks(missing)} "
-                              f"(submitted by {_ranks(ranks)})"
-                              for a, name, ranks, missing in stalled[:4])
+            shown = ", ".join(
+                f"op {name!r} waited {a:.1f} s for ranks {_ranks(missing)} "
+                f"(submitted by {_ranks(ranks)})"
+                for a, name, ranks, missing in stalled[:4]
+            )
             more = f", and {len(stalled) - 4} more" if len(stalled) > 4 else ""
-            return (f"stall: {shown}{more}; {_variable('stall_shutdown_s')}="
-                    f"{self.shutdown_s:g}: shutting the engine down")
+            return (
+                f"stall: {shown}{more}; {_variable('stall_shutdown_s')}="
+                f"{self.shutdown_s:g}: shutting the engine down"
+            )
         return None

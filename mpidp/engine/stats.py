@@ -11,19 +11,19 @@ KEYS = {
     "slow_cycles": "cycles that negotiated through the coordinator (gather/bcast at rank 0)",
     "cache_hits": "ops negotiated by their response-cache bit alone (the fast path)",
     "cache_misses": "ops negotiated through the coordinator (first use, changed metadata, "
-                    "cache off or full)",
+    "cache off or full)",
     "collectives": "data-path calls: one per fused batch or unfused op",
     "fused_collectives": "collectives that carried more than one tensor",
     "tensors": "tensors those collectives carried (joined ranks' zeros included)",
     "tensors_per_collective": "tensors / collectives (0.0 before the first)",
     "bytes": "payload bytes of those tensors (each rank's own input; allgather: this rank's part)",
     "wire_bytes": "bytes of the buffers this rank handed to those collectives, in the width "
-                  "they travel: as `bytes`, but a value reduced in a wider type counts that "
-                  "type's size, and padding counts",
+    "they travel: as `bytes`, but a value reduced in a wider type counts that "
+    "type's size, and padding counts",
     "negotiate_s": "seconds in negotiation calls, waiting for peers included (the one in "
-                   "progress too)",
+    "progress too)",
     "collective_s": "seconds in the data path (pack, MPI call, unpack, scaling; the batch in "
-                    "progress too)",
+    "progress too)",
     "wall_s": "seconds since the counters started (init() or the last reset)",
     "by_op": "per op kind ('allreduce', ...): {'collectives', 'tensors', 'bytes'}",
 }
@@ -34,10 +34,24 @@ class EngineStats:
     needs no lock because every field is a number updated by one writer (a snapshot may
     straddle one cycle)."""
 
-    __slots__ = ("cycles", "slow_cycles", "cache_hits", "cache_misses", "collectives",
-                 "fused_collectives", "tensors", "bytes", "negotiate", "collective",
-                 "op_collectives", "op_tensors", "op_bytes", "wire_bytes", "started",
-                 "baseline")
+    __slots__ = (
+        "cycles",
+        "slow_cycles",
+        "cache_hits",
+        "cache_misses",
+        "collectives",
+        "fused_collectives",
+        "tensors",
+        "bytes",
+        "negotiate",
+        "collective",
+        "op_collectives",
+        "op_tensors",
+        "op_bytes",
+        "wire_bytes",
+        "started",
+        "baseline",
+    )
 
     def __init__(self):
         self.cycles = 0
@@ -88,9 +102,11 @@ class EngineStats:
         by_op = {}
         for op in OpType:
             if self.op_collectives[op]:
-                by_op[OP_NAMES[op]] = {"collectives": self.op_collectives[op],
-                                       "tensors": self.op_tensors[op],
-                                       "bytes": self.op_bytes[op]}
+                by_op[OP_NAMES[op]] = {
+                    "collectives": self.op_collectives[op],
+                    "tensors": self.op_tensors[op],
+                    "bytes": self.op_bytes[op],
+                }
         now = time.monotonic()
         spent = []
         for total, since in (self.negotiate, self.collective):
@@ -152,6 +168,7 @@ def difference(now: Dict[str, Any], base: Dict[str, Any]) -> Dict[str, Any]:
             out[key] = ops
         elif key != "tensors_per_collective":
             out[key] = value - base[key]
-    out["tensors_per_collective"] = (out["tensors"] / out["collectives"]
-                                     if out["collectives"] else 0.0)
+    out["tensors_per_collective"] = (
+        out["tensors"] / out["collectives"] if out["collectives"] else 0.0
+    )
     return out

@@ -11,6 +11,7 @@ import torch
 from .handles import Handle
 from .messages import Request, op_label
 
+
 def _outside_inference(tensor, output):
     """`tensor` and `output` (tensors, lists of them, or None) with each inference tensor (made
     under torch.inference_mode(), a setting of the submitting thread) replaced by a normal
@@ -28,6 +29,7 @@ def _outside_inference(tensor, output):
 
     def each(x):
         return [normal(t) for t in x] if isinstance(x, list) else normal(x)
+
     return each(tensor), each(output)
 
 
@@ -44,10 +46,10 @@ def normal_mode():
 class OpState(enum.IntEnum):
     """Where an op stands in negotiation (Entry.state); the engine and the protocol move it."""
 
-    NEW = 0      # submitted, not yet admitted by the engine
-    CACHED = 1   # waits on its response-cache bit in the band (Entry.bit)
+    NEW = 0  # submitted, not yet admitted by the engine
+    CACHED = 1  # waits on its response-cache bit in the band (Entry.bit)
     TO_SEND = 2  # its request goes to the coordinator at the next slow path
-    SENT = 3     # its request is with the coordinator, which answers once every rank sent it
+    SENT = 3  # its request is with the coordinator, which answers once every rank sent it
 
 
 class Entry(Handle):
@@ -59,20 +61,19 @@ class Entry(Handle):
     the request); for every other op, single tensors (None for barrier and join).
     """
 
-    __slots__ = ("request", "tensor", "output", "extra", "submitted", "state", "bit",
-                 "cache_key")
+    __slots__ = ("request", "tensor", "output", "extra", "submitted", "state", "bit", "cache_key")
 
     def __init__(self, request: Request, tensor, output, extra=None, cache_key=None):
         Handle.__init__(self, request.name)
         if torch.is_inference_mode_enabled():
             tensor, output = _outside_inference(tensor, output)
         self.request = request
-        self.tensor = tensor      # input
-        self.output = output      # where the result goes (is `tensor` when in place)
-        self.extra = extra        # op-specific: alltoall splits
+        self.tensor = tensor  # input
+        self.output = output  # where the result goes (is `tensor` when in place)
+        self.extra = extra  # op-specific: alltoall splits
         self.submitted = time.monotonic()
         self.state = OpState.NEW
-        self.bit = -1             # response-cache bit while CACHED
+        self.bit = -1  # response-cache bit while CACHED
         if cache_key is None and request.cacheable:
             cache_key = request.cache_key()
         self.cache_key = cache_key
@@ -86,9 +87,12 @@ class Entry(Handle):
 def is_block(tensor, output, index: int) -> bool:
     """Whether `tensor` is exactly block `index` of `output` (blocks of tensor's size, end to
     end): an allgather into `output` from it then runs in place, moving nothing locally."""
-    return (tensor.dtype == output.dtype and tensor.is_contiguous() and output.is_contiguous()
-            and tensor.data_ptr() == output.data_ptr()
-            + index * tensor.numel() * tensor.element_size())
+    return (
+        tensor.dtype == output.dtype
+        and tensor.is_contiguous()
+        and output.is_contiguous()
+        and tensor.data_ptr() == output.data_ptr() + index * tensor.numel() * tensor.element_size()
+    )
 
 
 def given_output(entry: Entry, dims):
@@ -97,8 +101,10 @@ def given_output(entry: Entry, dims):
     if entry.output is None:
         return None
     if len(set(dims)) > 1:
-        raise ValueError(f"{entry.request.name!r}: an allgather into an output tensor needs the "
-                         f"same first dimension on every rank; the ranks gave {list(dims)}")
+        raise ValueError(
+            f"{entry.request.name!r}: an allgather into an output tensor needs the "
+            f"same first dimension on every rank; the ranks gave {list(dims)}"
+        )
     return entry.output
 
 
@@ -119,7 +125,7 @@ class TensorQueue:
     def __init__(self):
         self._lock = threading.Lock()
         self.wake = threading.Condition(self._lock)
-        self.ops: Dict[str, Entry] = {}   # every op in flight on this rank, by name
+        self.ops: Dict[str, Entry] = {}  # every op in flight on this rank, by name
         self._new: List[Entry] = []
         self._closed: Optional[BaseException] = None
         self._sleeping = False
@@ -135,7 +141,8 @@ class TensorQueue:
                 if entry.request.name in self.ops or names.count(entry.request.name) > 1:
                     raise ValueError(
                         f"{op_label(entry.request)}: an op with this name is already in flight "
-                        f"on this rank; synchronize it first or give each op a unique name")
+                        f"on this rank; synchronize it first or give each op a unique name"
+                    )
             for entry in entries:
                 self.ops[entry.request.name] = entry
             self._new.extend(entries)

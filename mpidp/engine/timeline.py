@@ -55,13 +55,12 @@ class Timeline:
         self._t0 = time.monotonic()
         self._events: "collections.deque" = collections.deque()
         self._rows: Dict[str, int] = {}
-        self._since: Dict[str, tuple] = {}     # name -> (submitted, drained) on rank 0
-        self._arrived: Dict[str, list] = {}    # name -> [(rank, time)] on the slow path
-        self._marks: List[tuple] = []          # (phase, time) reported during the current batch
+        self._since: Dict[str, tuple] = {}  # name -> (submitted, drained) on rank 0
+        self._arrived: Dict[str, list] = {}  # name -> [(rank, time)] on the slow path
+        self._marks: List[tuple] = []  # (phase, time) reported during the current batch
         self._closed = False
         self._wake = threading.Event()
-        self._writer = threading.Thread(target=self._write_loop, name="mpidp-timeline",
-                                        daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name="mpidp-timeline", daemon=True)
         self._writer.start()
         self._emit(("M", "process_name", "", 0.0, 0.0, {"name": "mpidp rank 0"}))
         if mark_cycles:
@@ -116,8 +115,11 @@ class Timeline:
         """A batch ran from `start` to `end`: one op span per tensor, phases nested in it."""
         names = [resp.name for resp in batch]
         op = OP_NAMES.get(batch[0].op, "op")
-        args = {"tensors": tensor_count(batch), "bytes": nbytes,
-                "batch": names[:_MAX_TENSORS_IN_ARGS]}
+        args = {
+            "tensors": tensor_count(batch),
+            "bytes": nbytes,
+            "batch": names[:_MAX_TENSORS_IN_ARGS],
+        }
         if len(batch) == 1 and batch[0].request is not None and batch[0].request.parts:
             # A bucket (one op over several tensors): one span, its tensors' shapes listed.
             args["shapes"] = [list(s) for s in batch[0].request.parts[:_MAX_TENSORS_IN_ARGS]]
@@ -137,8 +139,7 @@ class Timeline:
 
     def cycle(self, start: float, end: float, responses: int) -> None:
         if self.mark_cycles:
-            self._emit(("X", "cycle", CYCLE_ROW, start, end - start,
-                        {"responses": responses}))
+            self._emit(("X", "cycle", CYCLE_ROW, start, end - start, {"responses": responses}))
 
     # ---- writer ----
 
@@ -148,10 +149,22 @@ class Timeline:
             # Row 0 is the cycle row, so tensor rows keep their order below it.
             tid = 0 if name == CYCLE_ROW else len(self._rows) + 1
             self._rows[name] = tid
-            out.append(json.dumps({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
-                                   "args": {"name": name}}))
-            out.append(json.dumps({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid,
-                                   "args": {"sort_index": tid}}))
+            out.append(
+                json.dumps(
+                    {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+                )
+            )
+            out.append(
+                json.dumps(
+                    {
+                        "ph": "M",
+                        "name": "thread_sort_index",
+                        "pid": 0,
+                        "tid": tid,
+                        "args": {"sort_index": tid},
+                    }
+                )
+            )
         return tid
 
     def _format(self, event: tuple, out: List[str]) -> None:
@@ -217,8 +230,9 @@ def from_start(config, set_id: int, rank: int) -> Optional[Timeline]:
     try:
         return Timeline(config.timeline_path, config.timeline_mark_cycles)
     except OSError as exc:
-        logger.error("timeline: cannot write %r (%s); running without a timeline",
-                     config.timeline_path, exc)
+        logger.error(
+            "timeline: cannot write %r (%s); running without a timeline", config.timeline_path, exc
+        )
         return None
 
 
@@ -246,9 +260,13 @@ def validate(events) -> Dict[str, int]:
     counts: Dict[str, int] = {}
     rows: Dict[int, list] = {}
     for ev in events:
-        if not isinstance(ev, dict) or ev.get("ph") not in ("X", "i", "M") \
-                or not isinstance(ev.get("name"), str) or type(ev.get("pid")) is not int \
-                or not isinstance(ev.get("args", {}), dict):
+        if (
+            not isinstance(ev, dict)
+            or ev.get("ph") not in ("X", "i", "M")
+            or not isinstance(ev.get("name"), str)
+            or type(ev.get("pid")) is not int
+            or not isinstance(ev.get("args", {}), dict)
+        ):
             raise ValueError(f"malformed event {ev!r}")
         counts[ev["ph"]] = counts.get(ev["ph"], 0) + 1
         if ev["ph"] == "M" and ev["name"] == "process_name":
@@ -260,8 +278,13 @@ def validate(events) -> Dict[str, int]:
                 raise ValueError(f"unknown metadata event {ev!r}")
             continue
         ts, dur = ev.get("ts"), ev.get("dur", 0)
-        if not isinstance(ts, (int, float)) or ts < 0 or not isinstance(dur, (int, float)) \
-                or dur < 0 or (ev["ph"] == "X" and "dur" not in ev):
+        if (
+            not isinstance(ts, (int, float))
+            or ts < 0
+            or not isinstance(dur, (int, float))
+            or dur < 0
+            or (ev["ph"] == "X" and "dur" not in ev)
+        ):
             raise ValueError(f"bad ts/dur in {ev!r}")
         if ev["ph"] == "i" and ev.get("s") not in ("g", "p", "t"):
             raise ValueError(f"instant event without scope g/p/t: {ev!r}")
@@ -273,8 +296,8 @@ def validate(events) -> Dict[str, int]:
             while stack and stack[-1][1] <= begin + 1e-6:
                 stack.pop()
             if stack and end > stack[-1][1] + 1e-6:
-                raise ValueError(f"row {tid}: {name!r} at {begin} us overlaps {stack[-1]} "
-                                 f"without nesting in it")
+                raise ValueError(
+                    f"row {tid}: {name!r} at {begin} us overlaps {stack[-1]} without nesting in it"
+                )
             stack.append((begin, end, name))
     return counts
-

@@ -4,13 +4,20 @@ from typing import List
 
 import torch
 
-from .eager import eager
-from .op_args import (check_reductions, check_tensors, op_name, parts_request, request, resolve_op,
-                      same_device)
-from .submission import first_result, new_entry, only_result, submit
-from ..runtime.process_sets import member_of
 from ..engine.messages import OpType, ReduceOp, Request
 from ..engine.tensor_queue import Entry
+from ..runtime.process_sets import member_of
+from .eager import eager
+from .op_args import (
+    check_reductions,
+    check_tensors,
+    op_name,
+    parts_request,
+    request,
+    resolve_op,
+    same_device,
+)
+from .submission import first_result, new_entry, only_result, submit
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -22,8 +29,18 @@ Adasum = ReduceOp.ADASUM
 
 # ---- allreduce ----
 
-def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor, inplace,
-                       process_set, what="allreduce"):
+
+def _grouped_allreduce(
+    tensors,
+    average,
+    name,
+    op,
+    prescale_factor,
+    postscale_factor,
+    inplace,
+    process_set,
+    what="allreduce",
+):
     """One op for the whole list when its tensors share dtype and device (the data path packs
     the small ones and reduces large ones in place), else one op per tensor."""
     target = member_of(process_set, what)
@@ -33,9 +50,9 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
 
     def label(i):  # tensor i's name in an error message, made only for one
         return base if one else f"{base}.{i}"
+
     checked = check_tensors(tensors, what, label, inplace)
-    n_dtypes = check_reductions(checked, reduce_op, prescale_factor, postscale_factor, what,
-                                label)
+    n_dtypes = check_reductions(checked, reduce_op, prescale_factor, postscale_factor, what, label)
     outs = checked if inplace else [torch.empty_like(t) for t in checked]
     same_device(checked, what)
     if not checked:
@@ -43,8 +60,15 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
     if what == "allreduce" or n_dtypes > 1:
         entries = []
         for i, (t, out) in enumerate(zip(checked, outs)):
-            req = request(label(i), cacheable, OpType.ALLREDUCE, t, reduce_op, prescale_factor,
-                          postscale_factor)
+            req = request(
+                label(i),
+                cacheable,
+                OpType.ALLREDUCE,
+                t,
+                reduce_op,
+                prescale_factor,
+                postscale_factor,
+            )
             entries.append(new_entry(req, [t], [out]))
         return target, entries
     req = parts_request(base, cacheable, checked, reduce_op, prescale_factor, postscale_factor)
@@ -52,21 +76,37 @@ def _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_fa
 
 
 @eager
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=None) -> int:
+def allreduce_async(
+    tensor,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+) -> int:
     """Start an allreduce into a new tensor; returns a handle. No synchronization until
     synchronize(handle), which blocks until every rank has submitted the same name."""
-    target, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
-                                        postscale_factor, False, process_set)
+    target, entries = _grouped_allreduce(
+        [tensor], average, name, op, prescale_factor, postscale_factor, False, process_set
+    )
     return submit(target, entries, only_result)
 
 
 @eager
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=None) -> int:
+def allreduce_async_(
+    tensor,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+) -> int:
     """Start an in-place allreduce of `tensor`; returns a handle (see allreduce_async)."""
-    target, entries = _grouped_allreduce([tensor], average, name, op, prescale_factor,
-                                        postscale_factor, True, process_set)
+    target, entries = _grouped_allreduce(
+        [tensor], average, name, op, prescale_factor, postscale_factor, True, process_set
+    )
     return submit(target, entries, lambda results: tensor)
 
 
@@ -75,29 +115,60 @@ def _flatten(results):
 
 
 @eager
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=None) -> int:
+def grouped_allreduce_async(
+    tensors,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+) -> int:
     """Start allreduces of a list, submitted atomically; synchronize() returns a list."""
-    target, entries = _grouped_allreduce(list(tensors), average, name, op, prescale_factor,
-                                        postscale_factor, False, process_set,
-                                        "grouped_allreduce")
+    target, entries = _grouped_allreduce(
+        list(tensors),
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        False,
+        process_set,
+        "grouped_allreduce",
+    )
     return submit(target, entries, _flatten)
 
 
 @eager
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=None) -> int:
+def grouped_allreduce_async_(
+    tensors,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=None,
+) -> int:
     """In-place form of grouped_allreduce_async."""
     tensors = list(tensors)
-    target, entries = _grouped_allreduce(tensors, average, name, op, prescale_factor,
-                                        postscale_factor, True, process_set,
-                                        "grouped_allreduce")
+    target, entries = _grouped_allreduce(
+        tensors,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        True,
+        process_set,
+        "grouped_allreduce",
+    )
     return submit(target, entries, lambda results: tensors)
 
 
 @eager
-def bucket_allreduce_async_(request: Request, tensors: List[torch.Tensor], process_set=None,
-                            cache_key=None) -> int:
+def bucket_allreduce_async_(
+    request: Request, tensors: List[torch.Tensor], process_set=None, cache_key=None
+) -> int:
     """Start an in-place allreduce of `tensors` under a request built earlier (by
     parts_request, from tensors of these shapes and dtype): the training layer's path for a
     gradient bucket, which skips the per-tensor checks its first submission made."""

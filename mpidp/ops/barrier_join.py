@@ -1,10 +1,10 @@
 """barrier() and join(): the ops that take no tensor and hold ranks until all have called them."""
 
+from ..engine.messages import JOIN_NAME, OpType, Request
+from ..runtime.process_sets import member_of
 from .eager import eager
 from .submission import blocking, first_result, new_entry, set_blocking, submit
 from .waits import synchronize
-from ..runtime.process_sets import member_of
-from ..engine.messages import JOIN_NAME, OpType, Request
 
 
 @eager
@@ -35,9 +35,13 @@ def join(device: int = -1) -> int:
     try:
         handles = []
         for member in members:
-            req = Request(JOIN_NAME, int(OpType.JOIN), cacheable=False,
-                          serial=member.unnamed_count(),
-                          serves=server.prefixes if server and member is served else ())
+            req = Request(
+                JOIN_NAME,
+                int(OpType.JOIN),
+                cacheable=False,
+                serial=member.unnamed_count(),
+                serves=server.prefixes if server and member is served else (),
+            )
             handles.append(submit((state, member), [new_entry(req, None, None)], first_result))
         if server is not None:
             server.serve()

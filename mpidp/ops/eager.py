@@ -25,8 +25,11 @@ def eager(fn):
         return disabled(*args, **kwargs)
 
     # Dynamo reads these off a function it meets in traced code: it calls it instead of tracing.
-    for attr, value in (("_torchdynamo_disable", True), ("_torchdynamo_disable_recursive", True),
-                        ("_torchdynamo_orig_callable", fn)):
+    for attr, value in (
+        ("_torchdynamo_disable", True),
+        ("_torchdynamo_disable_recursive", True),
+        ("_torchdynamo_orig_callable", fn),
+    ):
         setattr(call, attr, value)
     return call
 

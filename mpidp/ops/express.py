@@ -2,11 +2,11 @@
 
 import torch
 
-from ..runtime import world
 from ..engine.messages import OpType
 from ..engine.tensor_queue import Entry
-from .op_args import check_reduction, check_tensor, request
+from ..runtime import world
 from ..runtime.process_sets import member_of
+from .op_args import check_reduction, check_tensor, request
 
 # Validated requests by call signature, one table per init(); cleared when it grows past this
 # (names made per step, such as f"loss.{step}", would otherwise grow it without end).
@@ -48,8 +48,11 @@ def allreduce(tensor, name: str, op, pre: float, post: float, process_set, inpla
     (another thread's ops, a backward pass), a name or tensor the general path refuses.
     Synchronization: the band and the allreduce with every rank of the process set.
     """
-    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided \
-            or not tensor.is_contiguous():
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.layout is not torch.strided
+        or not tensor.is_contiguous()
+    ):
         return None
     ps = None
     if process_set is not None:

@@ -12,12 +12,12 @@ try:
 except ImportError:  # optional: plain pickle then (no lambdas or local classes)
     cloudpickle = None
 
+from ..errors import MpidpError
+from ..runtime import world
+from ..runtime.process_sets import member_of
+from . import gather_ops
 from .eager import eager
 from .waits import synchronize
-from . import gather_ops
-from ..runtime import world
-from ..errors import MpidpError
-from ..runtime.process_sets import member_of
 
 
 @eager
@@ -36,14 +36,24 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=None) -> None:
     handles = []
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a "
-                            f"tensor")
+            raise TypeError(
+                f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
         # channels_last or transposed tensors go through a packed copy (written back below).
         data = tensor.data
         packed = data if data.is_contiguous() else data.contiguous()
-        handles.append((gather_ops.broadcast_async_(_real(packed), root_rank,
-                                                    name=f"broadcast_parameters.{name}",
-                                                    process_set=process_set), data, packed))
+        handles.append(
+            (
+                gather_ops.broadcast_async_(
+                    _real(packed),
+                    root_rank,
+                    name=f"broadcast_parameters.{name}",
+                    process_set=process_set,
+                ),
+                data,
+                packed,
+            )
+        )
     for handle, data, packed in handles:
         synchronize(handle)
         if packed is not data:
@@ -69,8 +79,9 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 
 @eager
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set=None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set=None
+) -> Any:
     """Return global rank `root_rank`'s `obj` (pickled) on every rank (of the set); if the root
     cannot pickle it, every rank raises MpidpError with the reason. Synchronization: blocks
     until every rank of the set has called it."""
@@ -78,16 +89,26 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     rank = world.rank()
     data, failed = _dumps(obj) if rank == root_rank else (b"", 0)
     payload = _bytes_tensor(data)
-    header = synchronize(gather_ops.broadcast_async(torch.tensor([payload.numel(), failed]),
-                                                    root_rank, name=f"{name}.length",
-                                                    process_set=process_set))
+    header = synchronize(
+        gather_ops.broadcast_async(
+            torch.tensor([payload.numel(), failed]),
+            root_rank,
+            name=f"{name}.length",
+            process_set=process_set,
+        )
+    )
     if rank != root_rank:
         payload = torch.empty(int(header[0]), dtype=torch.uint8)
-    synchronize(gather_ops.broadcast_async_(payload, root_rank, name=f"{name}.bytes",
-                                            process_set=process_set))
+    synchronize(
+        gather_ops.broadcast_async_(
+            payload, root_rank, name=f"{name}.bytes", process_set=process_set
+        )
+    )
     if int(header[1]):
-        raise MpidpError(f"{name}: rank {root_rank} could not pickle the object: "
-                         f"{payload.numpy().tobytes().decode(errors='replace')}")
+        raise MpidpError(
+            f"{name}: rank {root_rank} could not pickle the object: "
+            f"{payload.numpy().tobytes().decode(errors='replace')}"
+        )
     return obj if rank == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
@@ -99,17 +120,23 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     name = name or "allgather_object"
     raw, failed = _dumps(obj)
     data = _bytes_tensor(raw)
-    heads = synchronize(gather_ops.allgather_async(torch.tensor([[data.numel(), failed]]),
-                                                   name=f"{name}.length", process_set=process_set))
-    gathered = synchronize(gather_ops.allgather_async(data, name=f"{name}.bytes",
-                                                      process_set=process_set)).numpy()
+    heads = synchronize(
+        gather_ops.allgather_async(
+            torch.tensor([[data.numel(), failed]]), name=f"{name}.length", process_set=process_set
+        )
+    )
+    gathered = synchronize(
+        gather_ops.allgather_async(data, name=f"{name}.bytes", process_set=process_set)
+    ).numpy()
     offsets = np.concatenate(([0], np.cumsum(heads[:, 0].numpy())))
-    parts = [gathered[offsets[i]:offsets[i + 1]].tobytes() for i in range(len(heads))]
+    parts = [gathered[offsets[i] : offsets[i + 1]].tobytes() for i in range(len(heads))]
     bad = [i for i in range(len(heads)) if int(heads[i, 1])]
     if bad:
         ranks = [member_of(process_set, name)[1].ranks[i] for i in bad]
-        raise MpidpError(f"{name}: rank(s) {ranks} could not pickle their object: "
-                         + "; ".join(parts[i].decode(errors="replace") for i in bad))
+        raise MpidpError(
+            f"{name}: rank(s) {ranks} could not pickle their object: "
+            + "; ".join(parts[i].decode(errors="replace") for i in bad)
+        )
     return [pickle.loads(part) for part in parts]
 
 
@@ -122,8 +149,7 @@ def _param_names(optimizer, model) -> List[str]:
 
 
 @eager
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
-                              process_set=None) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, process_set=None) -> None:
     """Make every rank's optimizer state equal to global rank `root_rank`'s.
 
     Broadcasts the state itself, never a dummy step (which would move weights under weight
@@ -137,10 +163,12 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     """
     if getattr(optimizer, "is_sharded", False):
         # A ShardedOptimizer's state is each rank's own part: only the options are copied.
-        groups = broadcast_object([{k: v for k, v in g.items() if k != "params"}
-                                   for g in optimizer.param_groups], root_rank,
-                                  name="broadcast_optimizer_state.options",
-                                  process_set=process_set)
+        groups = broadcast_object(
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            root_rank,
+            name="broadcast_optimizer_state.options",
+            process_set=process_set,
+        )
         for group, options in zip(optimizer.param_groups, groups):
             group.update(options)
         return
@@ -151,13 +179,23 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
     layout = None
     if rank == root_rank:
         # Everything but tensor contents: shapes and dtypes, scalars, group options.
-        layout = {"param_groups": state["param_groups"],
-                  "state": {idx: {k: (("tensor", tuple(v.shape), str(v.dtype).split(".")[1])
-                                      if isinstance(v, torch.Tensor) else ("value", v))
-                                  for k, v in entry.items()}
-                            for idx, entry in state["state"].items()}}
-    layout = broadcast_object(layout, root_rank, name="broadcast_optimizer_state.layout",
-                              process_set=process_set)
+        layout = {
+            "param_groups": state["param_groups"],
+            "state": {
+                idx: {
+                    k: (
+                        ("tensor", tuple(v.shape), str(v.dtype).split(".")[1])
+                        if isinstance(v, torch.Tensor)
+                        else ("value", v)
+                    )
+                    for k, v in entry.items()
+                }
+                for idx, entry in state["state"].items()
+            },
+        }
+    layout = broadcast_object(
+        layout, root_rank, name="broadcast_optimizer_state.layout", process_set=process_set
+    )
     new_state = {}
     handles = []
     for idx in sorted(layout["state"]):
@@ -169,14 +207,23 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None,
                 continue
             shape, dtype = rest
             if rank == root_rank:
-                tensor = state["state"][idx][key].detach().cpu().clone(
-                    memory_format=torch.contiguous_format)  # channels_last state too
+                tensor = (
+                    state["state"][idx][key]
+                    .detach()
+                    .cpu()
+                    .clone(memory_format=torch.contiguous_format)
+                )  # channels_last state too
             else:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             label = names[idx] if idx < len(names) else f"param.{idx}"
-            handles.append(gather_ops.broadcast_async_(
-                _real(tensor), root_rank, name=f"broadcast_optimizer_state.{label}.{key}",
-                process_set=process_set))
+            handles.append(
+                gather_ops.broadcast_async_(
+                    _real(tensor),
+                    root_rank,
+                    name=f"broadcast_optimizer_state.{label}.{key}",
+                    process_set=process_set,
+                )
+            )
             entry[key] = tensor
         new_state[idx] = entry
     for handle in handles:
@@ -206,16 +253,25 @@ def check_replicas(model, name: Optional[str] = None) -> None:
     Cheap: one CRC32 per parameter, one allgather. Synchronization: blocks on every rank.
     """
     items = list(model.named_parameters()) + list(model.named_buffers())
-    sums = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-            if t.numel() else 0 for _, t in items]
-    table = synchronize(gather_ops.allgather_async(torch.tensor([sums], dtype=torch.int64),
-                                                   name=name or "check_replicas"))
+    sums = [
+        zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        if t.numel()
+        else 0
+        for _, t in items
+    ]
+    table = synchronize(
+        gather_ops.allgather_async(
+            torch.tensor([sums], dtype=torch.int64), name=name or "check_replicas"
+        )
+    )
     bad = {}
     for r in range(1, table.shape[0]):
         diff = [items[i][0] for i in np.flatnonzero((table[r] != table[0]).numpy())]
         if diff:
             bad[r] = diff
     if bad:
-        parts = [f"rank {r}: {', '.join(d[:5])}{' ...' if len(d) > 5 else ''}"
-                 for r, d in sorted(bad.items())]
+        parts = [
+            f"rank {r}: {', '.join(d[:5])}{' ...' if len(d) > 5 else ''}"
+            for r, d in sorted(bad.items())
+        ]
         raise MpidpError("check_replicas: parameters differ from rank 0's on " + "; ".join(parts))

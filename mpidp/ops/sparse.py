@@ -4,15 +4,14 @@ from typing import Dict
 
 import torch
 
-from .eager import eager
-from .waits import synchronize
-from . import allreduce_ops, op_args, submission
 from ..engine import scaling
 from ..engine.messages import OpType
 from ..errors import ArgumentError
-from .allreduce_ops import Average, Max, Sum
 from ..runtime.process_sets import member_of
-from .waits import CallableHandle
+from . import allreduce_ops, op_args, submission
+from .allreduce_ops import Average, Max, Sum
+from .eager import eager
+from .waits import CallableHandle, synchronize
 
 
 @eager
@@ -26,15 +25,19 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None) -> C
         raise TypeError(f"{what}: expected a sparse COO tensor; use allreduce for dense ones")
     reduce_op = op_args.resolve_op(None, op, what)
     if reduce_op not in (Average, Sum):
-        raise ArgumentError(f"{what}: only Average and Sum are supported, not "
-                            f"{reduce_op.name.capitalize()}")
+        raise ArgumentError(
+            f"{what}: only Average and Sum are supported, not {reduce_op.name.capitalize()}"
+        )
     base, cacheable = op_args.op_name(name, what)
     t = tensor.detach().coalesce()
-    indices = t.indices().t().contiguous()   # (nnz, sparse_dims): gathered along dim 0
+    indices = t.indices().t().contiguous()  # (nnz, sparse_dims): gathered along dim 0
     values = t.values().contiguous()
-    entries = [submission.new_entry(
-        op_args.request(f"{base}.{part}", cacheable, OpType.ALLGATHER, t), t, None)
-        for part, t in (("indices", indices), ("values", values))]
+    entries = [
+        submission.new_entry(
+            op_args.request(f"{base}.{part}", cacheable, OpType.ALLGATHER, t), t, None
+        )
+        for part, t in (("indices", indices), ("values", values))
+    ]
     size, shape = target[1].size, t.shape
 
     def finish(results):
@@ -79,12 +82,17 @@ class SparseGradients:
             if self.as_dense:
                 local = [self._densified.get(p, 0) for p in params]
             else:
-                local = [p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0
-                         for p in params]
+                local = [
+                    p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0
+                    for p in params
+                ]
             with submission.blocking():  # waited for right below
-                handle = allreduce_ops.allreduce_async(torch.tensor(local, dtype=torch.int32),
-                                                       name=f"mpidp.sparse_kinds.{tag}", op=Max,
-                                                       process_set=process_set)
+                handle = allreduce_ops.allreduce_async(
+                    torch.tensor(local, dtype=torch.int32),
+                    name=f"mpidp.sparse_kinds.{tag}",
+                    op=Max,
+                    process_set=process_set,
+                )
             agreed = synchronize(handle).tolist()
             self._dims = {p: int(d) for p, d in zip(params, agreed) if d}
         self.pending = False
@@ -117,5 +125,7 @@ class SparseGradients:
             p.grad = torch.sparse_coo_tensor(
                 torch.zeros((dims, 0), dtype=torch.long, device=p.device),
                 torch.zeros((0,) + tuple(p.shape[dims:]), dtype=p.dtype, device=p.device),
-                p.shape, check_invariants=True)
+                p.shape,
+                check_invariants=True,
+            )
         return True

@@ -4,8 +4,8 @@ import contextlib
 import threading
 from typing import List
 
-from .op_args import UNNAMED
 from ..engine.tensor_queue import Entry
+from .op_args import UNNAMED
 
 _local = threading.local()
 

@@ -2,8 +2,8 @@
 
 from typing import Optional
 
-from .eager import eager
 from ..runtime import world
+from .eager import eager
 
 
 @eager

@@ -19,8 +19,12 @@ MMAP_THRESHOLD = 256 * MiB
 # rounds of the training benchmark.
 TRIM_THRESHOLD = 512 * MiB
 # Set by the user: then their settings stand.
-_USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
-                   "MALLOC_MMAP_MAX_")
+_USER_VARIABLES = (
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+)
 
 
 def keep_freed_memory(env=None) -> bool:
@@ -36,7 +40,9 @@ def keep_freed_memory(env=None) -> bool:
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and \
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    done = (
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    )
     logger.debug("keep_freed_memory: malloc thresholds %s", "set" if done else "refused by mallopt")
     return done

@@ -4,10 +4,10 @@ import os
 import time
 from typing import Optional
 
-from . import world
-from .process_sets import member_of
 from ..engine import stats as _stats
 from ..engine.timeline import Timeline
+from . import world
+from .process_sets import member_of
 
 
 def _engine(process_set=None):

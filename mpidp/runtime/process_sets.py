@@ -2,8 +2,8 @@
 
 from typing import List, Optional
 
-from . import world
 from ..errors import MpidpError
+from . import world
 
 
 class ProcessSet:
@@ -26,8 +26,10 @@ class ProcessSet:
             try:
                 self._ranks = sorted(int(r) for r in ranks_or_comm)
             except (TypeError, ValueError):
-                raise TypeError(f"ProcessSet takes a list of ranks or an mpi4py communicator, "
-                                f"not {ranks_or_comm!r}") from None
+                raise TypeError(
+                    f"ProcessSet takes a list of ranks or an mpi4py communicator, "
+                    f"not {ranks_or_comm!r}"
+                ) from None
 
     @property
     def ranks(self) -> Optional[List[int]]:
@@ -41,8 +43,10 @@ class ProcessSet:
     def _member(self):
         st = world.state()
         if self.process_set_id is None or self.process_set_id not in st.sets:
-            raise ValueError(f"{self!r} is not registered: pass it to mpidp.init(process_sets="
-                             f"[...]) or mpidp.add_process_set() on every rank first")
+            raise ValueError(
+                f"{self!r} is not registered: pass it to mpidp.init(process_sets="
+                f"[...]) or mpidp.add_process_set() on every rank first"
+            )
         return st, st.members.get(self.process_set_id)
 
     def included(self) -> bool:
@@ -58,8 +62,10 @@ class ProcessSet:
         """This rank's index within the set; ValueError if it is not a member."""
         _, member = self._member()
         if member is None:
-            raise ValueError(f"rank {world.rank()} is not in process set "
-                             f"{self.process_set_id} (ranks {self.ranks})")
+            raise ValueError(
+                f"rank {world.rank()} is not in process set "
+                f"{self.process_set_id} (ranks {self.ranks})"
+            )
         return member.rank
 
     def __repr__(self) -> str:
@@ -127,30 +133,42 @@ def is_outside(process_set) -> bool:
         return False
     st = world.state()
     sid = getattr(process_set, "process_set_id", process_set)
-    return (isinstance(sid, int) and not isinstance(sid, bool) and sid in st.sets
-            and sid not in st.members)
+    return (
+        isinstance(sid, int)
+        and not isinstance(sid, bool)
+        and sid in st.sets
+        and sid not in st.members
+    )
 
 
 def member_of(process_set, what: str):
     """(state, member) for an op on `process_set` (None: global); clear errors otherwise."""
     st = world.state()
     if st.forked:
-        raise MpidpError(f"{what}: this process was forked from the one that called init() "
-                         f"(pid {st.pid}), as a DataLoader worker is; its MPI state is that "
-                         f"process's, so collectives run only there (rank() and size() work "
-                         f"here)")
+        raise MpidpError(
+            f"{what}: this process was forked from the one that called init() "
+            f"(pid {st.pid}), as a DataLoader worker is; its MPI state is that "
+            f"process's, so collectives run only there (rank() and size() work "
+            f"here)"
+        )
     if isinstance(process_set, ProcessSet) and process_set.process_set_id is None:
-        raise ValueError(f"{what}: {process_set!r} is not registered; add it with "
-                         f"mpidp.add_process_set() (or init(process_sets=...)) on every rank "
-                         f"first")
+        raise ValueError(
+            f"{what}: {process_set!r} is not registered; add it with "
+            f"mpidp.add_process_set() (or init(process_sets=...)) on every rank "
+            f"first"
+        )
     sid = 0 if process_set is None else getattr(process_set, "process_set_id", process_set)
     if not isinstance(sid, int) or isinstance(sid, bool):
         raise TypeError(f"{what}: process_set must be a ProcessSet, not {process_set!r}")
     member = st.members.get(sid)
     if member is None:
         if sid not in st.sets:
-            raise ValueError(f"{what}: process set {process_set!r} is not registered; add it "
-                             f"with mpidp.add_process_set() (or init(process_sets=...)) first")
-        raise ValueError(f"{what}: rank {st.comms.rank} is not in process set {sid} (ranks "
-                         f"{list(st.sets[sid])}); only its members may run collectives on it")
+            raise ValueError(
+                f"{what}: process set {process_set!r} is not registered; add it "
+                f"with mpidp.add_process_set() (or init(process_sets=...)) first"
+            )
+        raise ValueError(
+            f"{what}: rank {st.comms.rank} is not in process set {sid} (ranks "
+            f"{list(st.sets[sid])}); only its members may run collectives on it"
+        )
     return st, member

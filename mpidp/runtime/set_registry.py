@@ -23,19 +23,23 @@ def ranks_of(MPI, obj, world) -> Optional[tuple]:
         group.Free()
         world_group.Free()
         if MPI.UNDEFINED in ranks:
-            raise ValueError("the process set's communicator holds processes outside mpidp's "
-                             "world; build it from the communicator given to init()")
+            raise ValueError(
+                "the process set's communicator holds processes outside mpidp's "
+                "world; build it from the communicator given to init()"
+            )
     else:
         ranks = getattr(obj, "ranks", obj)
     try:
         ranks = [int(r) for r in ranks if not isinstance(r, bool)] if ranks is not None else []
     except (TypeError, ValueError):
-        raise TypeError(f"a process set is a list of ranks or an mpi4py communicator, not "
-                        f"{ranks!r}") from None
+        raise TypeError(
+            f"a process set is a list of ranks or an mpi4py communicator, not {ranks!r}"
+        ) from None
     size = world.Get_size()
     if not ranks or len(set(ranks)) != len(ranks) or min(ranks) < 0 or max(ranks) >= size:
-        raise ValueError(f"process set ranks {ranks!r} must be distinct ranks in 0..{size - 1}, "
-                         f"at least one")
+        raise ValueError(
+            f"process set ranks {ranks!r} must be distinct ranks in 0..{size - 1}, at least one"
+        )
     return tuple(sorted(ranks))
 
 
@@ -55,14 +59,20 @@ def _agreed(views) -> list:
     if errors:
         raise ValueError("process set refused: " + "; ".join(errors))
     distinct = sorted({v for v, _, _ in views if v is not None})
-    split = len(distinct) > 1 and all(c for _, _, c in views) and all(
-        views[m][0] == v for v in distinct for m in v)
+    split = (
+        len(distinct) > 1
+        and all(c for _, _, c in views)
+        and all(views[m][0] == v for v in distinct for m in v)
+    )
     if len(distinct) != 1 and not split:
-        described = ", ".join(f"rank {r}: {list(v) if v else None}" for r, (v, _, _) in
-                              enumerate(views))
-        raise ValueError(f"process set refused: ranks disagree on its members ({described}); "
-                         f"every rank must add the same set, or a communicator that every "
-                         f"member of it passes too")
+        described = ", ".join(
+            f"rank {r}: {list(v) if v else None}" for r, (v, _, _) in enumerate(views)
+        )
+        raise ValueError(
+            f"process set refused: ranks disagree on its members ({described}); "
+            f"every rank must add the same set, or a communicator that every "
+            f"member of it passes too"
+        )
     return distinct
 
 
@@ -80,8 +90,10 @@ def register(MPI, st, obj, start: bool) -> int:
     for ranks in parts:
         for sid, existing in st.sets.items():
             if existing == ranks:
-                raise ValueError(f"a process set with ranks {list(ranks)} already exists (id "
-                                 f"{sid}); use that one")
+                raise ValueError(
+                    f"a process set with ranks {list(ranks)} already exists (id "
+                    f"{sid}); use that one"
+                )
     ids = [_create(MPI, st, ranks, start) for ranks in parts]
     if len(ids) > 1:  # removing the set on every rank removes every part
         st.parts.update({sid: tuple(ids) for sid in ids})
@@ -96,8 +108,10 @@ def register_members(MPI, st, ranks) -> int:
     """
     ranks = ranks_of(MPI, list(ranks), st.admin)
     if st.comms.rank not in ranks:
-        raise ValueError(f"rank {st.comms.rank} is not in {list(ranks)}: only the members of "
-                         f"a set created by its members alone may create it")
+        raise ValueError(
+            f"rank {st.comms.rank} is not in {list(ranks)}: only the members of "
+            f"a set created by its members alone may create it"
+        )
     # Sets created at once by disjoint groups of ranks must not match each other's messages.
     tag = zlib.crc32(repr(ranks).encode()) & 0x7FFF
     return _create(MPI, st, ranks, True, tag)
@@ -146,6 +160,9 @@ def remove(st, set_id: int, timeout: float) -> None:
             members.append(st.members.pop(sid, None))
     for member in members:
         if member is not None and not member.engine.stop(timeout):
-            logger.warning("remove_process_set: the engine of set %d did not stop within %.0f "
-                           "s (a member rank is gone or did not call remove_process_set)",
-                           member.set_id, timeout)
+            logger.warning(
+                "remove_process_set: the engine of set %d did not stop within %.0f "
+                "s (a member rank is gone or did not call remove_process_set)",
+                member.set_id,
+                timeout,
+            )

@@ -35,6 +35,7 @@ def mpi_threads_supported() -> bool:
 
 def _available() -> dict:
     from ..engine.backends import built
+
     return built()
 
 

@@ -18,6 +18,7 @@ _STAGGERED = 3
 def _abort_on_uncaught(exc_type, exc, tb) -> None:
     """sys.excepthook while abort_on_error is on: log who failed and why, then end every rank."""
     from ..engine import mpi
+
     world = mpi.world()
     if world is None or world[1] == 1:  # nobody else can be left waiting
         (_previous or sys.__excepthook__)(exc_type, exc, tb)
@@ -30,13 +31,23 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
         # rank waits longer than the one before it (a rank interrupted alone speaks in the end).
         if rank != 0:
             time.sleep(_INTERRUPT_QUIET_S + _INTERRUPT_STAGGER_S * min(rank - 1, _STAGGERED))
-        logger.critical("interrupted (KeyboardInterrupt) on rank %d (host %s); ending all %d "
-                        "ranks of the job", rank, socket.gethostname(), size)
+        logger.critical(
+            "interrupted (KeyboardInterrupt) on rank %d (host %s); ending all %d ranks of the job",
+            rank,
+            socket.gethostname(),
+            size,
+        )
     else:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
-        logger.critical("uncaught %s on rank %d (host %s); aborting all %d ranks of the job "
-                        "(MPIDP_ABORT_ON_ERROR=0 turns this off):\n%s", exc_type.__name__,
-                        rank, socket.gethostname(), size, text.rstrip())
+        logger.critical(
+            "uncaught %s on rank %d (host %s); aborting all %d ranks of the job "
+            "(MPIDP_ABORT_ON_ERROR=0 turns this off):\n%s",
+            exc_type.__name__,
+            rank,
+            socket.gethostname(),
+            size,
+            text.rstrip(),
+        )
     previous = _previous
     if previous is not None and previous is not sys.__excepthook__:
         previous(exc_type, exc, tb)  # the user's own hook still runs; the default would repeat ours
@@ -48,7 +59,7 @@ def _abort_on_uncaught(exc_type, exc, tb) -> None:
 def _close_timelines() -> None:
     """End this rank's timeline files as JSON (the abort skips shutdown(), which would), each
     between two of its engine's cycles."""
-    for engine in (_engines() if _engines is not None else ()):
+    for engine in _engines() if _engines is not None else ():
         if engine.timeline is not None and engine.cycle_lock.acquire(timeout=1.0):
             try:
                 engine.timeline.close()
@@ -68,8 +79,7 @@ def said_once(error: BaseException, rank: int) -> BaseException:
             previous(exc_type, exc, tb)
             return
         if rank == 0:  # the message already names the ranks concerned
-            sys.stderr.write(f"mpidp: init() failed on every rank: {exc_type.__name__}: "
-                             f"{exc}\n")
+            sys.stderr.write(f"mpidp: init() failed on every rank: {exc_type.__name__}: {exc}\n")
             sys.stderr.flush()
 
     sys.excepthook = hook

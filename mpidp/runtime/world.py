@@ -6,12 +6,13 @@ import threading
 from typing import Any, Dict, Optional
 
 from .. import config as _config
-from . import malloc_reuse, set_registry, uncaught, unknown_vars
-from .member import Member
 from ..engine import interrupts
 from ..engine.handles import HandleTable
 from ..errors import ConfigError, MpidpError, NotInitializedError
-from ..log import configure as _configure_log, logger
+from ..log import configure as _configure_log
+from ..log import logger
+from . import malloc_reuse, set_registry, uncaught, unknown_vars
+from .member import Member
 
 
 class _State:
@@ -65,10 +66,22 @@ def _warn_lonely_world(size: int) -> None:
     for var in _config.LAUNCHER_SIZE_VARIABLES:
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 1:
-            hint = (" Under Slurm, start ranks with `srun --mpi=pmi2` (or MpiDefault=pmi2) so "
-                    "MPI finds its peers.") if var.startswith("SLURM") else ""
-            logger.warning("MPI reports a world of size 1, but %s=%s announced %s ranks: each "
-                           "process is running alone.%s", var, value, value, hint)
+            hint = (
+                (
+                    " Under Slurm, start ranks with `srun --mpi=pmi2` (or MpiDefault=pmi2) so "
+                    "MPI finds its peers."
+                )
+                if var.startswith("SLURM")
+                else ""
+            )
+            logger.warning(
+                "MPI reports a world of size 1, but %s=%s announced %s ranks: each "
+                "process is running alone.%s",
+                var,
+                value,
+                value,
+                hint,
+            )
             return
 
 
@@ -80,7 +93,8 @@ def _check_thread_level(MPI) -> None:
             f"MPI was initialised with thread level {names.get(level, level)!r}; mpidp's engine "
             f"thread needs at least 'serialized'. Unset MPI4PY_RC_THREAD_LEVEL or set it to "
             f"'multiple' (or set mpi4py.rc.thread_level = 'multiple' before importing "
-            f"mpi4py.MPI).")
+            f"mpi4py.MPI)."
+        )
 
 
 def _base_comm(MPI, comm):
@@ -96,21 +110,28 @@ def _base_comm(MPI, comm):
         if not ranks or ranks[0] < 0 or ranks[-1] >= world.Get_size():
             raise ValueError(f"init(comm={comm!r}): ranks must lie in 0..{world.Get_size() - 1}")
         if world.Get_rank() not in ranks:
-            raise ValueError(f"init(comm={comm!r}) was called on world rank {world.Get_rank()}, "
-                             f"which is not in the list; only listed ranks may call init()")
+            raise ValueError(
+                f"init(comm={comm!r}) was called on world rank {world.Get_rank()}, "
+                f"which is not in the list; only listed ranks may call init()"
+            )
         return world.Create_group(world.Get_group().Incl(ranks))
-    raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of world ranks, "
-                    f"not {type(comm).__name__}")
+    raise TypeError(
+        f"init(comm=...) takes an mpi4py communicator or a list of world ranks, "
+        f"not {type(comm).__name__}"
+    )
 
 
 def add_set(obj) -> int:
     """Register a process set after init(); see mpidp.add_process_set. Collective over the world."""
     from mpi4py import MPI
+
     st = state()
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        raise MpidpError("adding a process set after init() needs MPI_THREAD_MULTIPLE (mpidp's "
-                         "engine threads use MPI meanwhile); pass the set to "
-                         "init(process_sets=[...]) instead, or unset MPI4PY_RC_THREAD_LEVEL")
+        raise MpidpError(
+            "adding a process set after init() needs MPI_THREAD_MULTIPLE (mpidp's "
+            "engine threads use MPI meanwhile); pass the set to "
+            "init(process_sets=[...]) instead, or unset MPI4PY_RC_THREAD_LEVEL"
+        )
     return set_registry.register(MPI, st, obj, start=True)
 
 
@@ -118,11 +139,14 @@ def add_member_set(ranks) -> int:
     """Register a process set on its members only; see set_registry.register_members.
     Synchronization: collective over the members."""
     from mpi4py import MPI
+
     st = state()
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        raise MpidpError("creating a process group after init() needs MPI_THREAD_MULTIPLE "
-                         "(mpidp's engine threads use MPI meanwhile); unset "
-                         "MPI4PY_RC_THREAD_LEVEL")
+        raise MpidpError(
+            "creating a process group after init() needs MPI_THREAD_MULTIPLE "
+            "(mpidp's engine threads use MPI meanwhile); unset "
+            "MPI4PY_RC_THREAD_LEVEL"
+        )
     return set_registry.register_members(MPI, st, ranks)
 
 
@@ -163,16 +187,21 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         views = base.allgather((error, cfg.agreed_items() if cfg else None))
         errors = [(r, e) for r, (e, _) in enumerate(views) if e]
         if errors:
-            raise uncaught.said_once(ConfigError("; ".join(f"rank {r}: {e}" for r, e in errors)),
-                             base.Get_rank())
+            raise uncaught.said_once(
+                ConfigError("; ".join(f"rank {r}: {e}" for r, e in errors)), base.Get_rank()
+            )
         assert cfg is not None  # no rank failed to load its Config, this one included
         for field, value in views[0][1]:
             differ = [r for r, (_, items) in enumerate(views) if dict(items)[field] != value]
             if differ:
-                raise uncaught.said_once(ConfigError(
-                    f"knob {field} must be the same on every rank: rank 0 has {value!r}, ranks "
-                    f"{differ} have {[dict(views[r][1])[field] for r in differ]}; set the "
-                    f"variable the same way for the whole job"), base.Get_rank())
+                raise uncaught.said_once(
+                    ConfigError(
+                        f"knob {field} must be the same on every rank: rank 0 has {value!r}, ranks "
+                        f"{differ} have {[dict(views[r][1])[field] for r in differ]}; set the "
+                        f"variable the same way for the whole job"
+                    ),
+                    base.Get_rank(),
+                )
         comms = Comms(base, cfg.simulated_local_size)
         admin = base.Dup()
         if comm is not None and base is not comm:
@@ -220,8 +249,12 @@ def _agree_setup(admin, comms, engine, failure: Optional[BaseException]) -> None
     `admin`."""
     said = None
     if failure is not None:  # mpidp's own errors say what they are
-        said = (str(failure) if isinstance(failure, MpidpError)
-                else f"{type(failure).__name__}: {failure}", isinstance(failure, ConfigError))
+        said = (
+            str(failure)
+            if isinstance(failure, MpidpError)
+            else f"{type(failure).__name__}: {failure}",
+            isinstance(failure, ConfigError),
+        )
     seen = admin.allgather(said)
     if not any(seen):
         return
@@ -234,8 +267,10 @@ def _agree_setup(admin, comms, engine, failure: Optional[BaseException]) -> None
     for r, got in enumerate(seen):
         if got:
             ranks.setdefault(got[0], []).append(r)
-    message = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
-                        for text, rs in ranks.items())
+    message = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {text}"
+        for text, rs in ranks.items()
+    )
     kind = ConfigError if all(got[1] for got in seen if got) else MpidpError
     error = kind(message)
     error.__cause__ = failure
@@ -259,16 +294,23 @@ def shutdown(timeout: float = 60.0) -> None:
     broken = [sid for sid, m in state.members.items() if not m.engine.clean]
     if broken and state.comms.size > 1:
         from ..engine import mpi  # imported late: importing it initialises MPI
+
         # Its peers may wait in a collective this rank left mid-cycle: they would wait forever.
-        mpi.abort_job(f"shutdown: the engine of process set(s) {broken} failed in the middle "
-                      f"of a cycle on rank {state.comms.rank}; its peers may be waiting in a "
-                      f"collective it left, so every rank of the job is ended")
+        mpi.abort_job(
+            f"shutdown: the engine of process set(s) {broken} failed in the middle "
+            f"of a cycle on rank {state.comms.rank}; its peers may be waiting in a "
+            f"collective it left, so every rank of the job is ended"
+        )
     stopped = True
     for sid in sorted(state.members, reverse=True):  # process sets first, the global set last
         if not state.members[sid].engine.stop(timeout):
             stopped = False
-            logger.warning("shutdown: the engine of process set %d did not stop within %.0f s "
-                           "(a peer rank is gone or stuck); leaving it behind", sid, timeout)
+            logger.warning(
+                "shutdown: the engine of process set %d did not stop within %.0f s "
+                "(a peer rank is gone or stuck); leaving it behind",
+                sid,
+                timeout,
+            )
     if stopped:
         state.admin.Free()
 
@@ -287,8 +329,10 @@ def state() -> _State:
     """The current init()'s state; ValueError telling the user to call init() otherwise."""
     s = _state
     if s is None:
-        raise NotInitializedError("mpidp is not initialised: call mpidp.init() first (on every "
-                                  "rank) before using it, and not after mpidp.shutdown()")
+        raise NotInitializedError(
+            "mpidp is not initialised: call mpidp.init() first (on every "
+            "rank) before using it, and not after mpidp.shutdown()"
+        )
     return s
 
 

@@ -22,7 +22,7 @@ class ShardBuffers:
         self.layout = layout
         self.home = torch.zeros(layout.padded, dtype=first.dtype, device=first.device)
         layout.home(self.home)
-        self.shard = self.home[layout.start:layout.stop]
+        self.shard = self.home[layout.start : layout.stop]
         self._piece = max(1, PIECE_BYTES // first.element_size())
         self.pieces: List[torch.Tensor] = list(self.shard.split(self._piece))
         self.reduced: Optional[torch.Tensor] = None  # a fresh one per step would page-fault

@@ -23,13 +23,12 @@ from typing import Optional
 
 import torch
 
-from ..ops import functions
 from .. import ops
-from ..runtime import world
-from . import scaler
 from ..errors import MpidpError
 from ..log import logger
-from ..ops import Sum
+from ..ops import Sum, functions
+from ..runtime import world
+from . import scaler
 
 # Name prefixes of the scalar allreduces that clipping and the grad scaler share among optimizers.
 SHARED = ("mpidp.grad_norm.", "mpidp.grad_scaler.")
@@ -45,8 +44,8 @@ class Rounds:
         self.handle: Optional[int] = None
         self.request = self.cache_key = None
         self.current: Optional[list] = None  # this round's flags once collected (set order)
-        self.joined = ()         # global ranks joined in the last round collected
-        self.serving = False     # this rank is joined and runs rounds inside join()
+        self.joined = ()  # global ranks joined in the last round collected
+        self.serving = False  # this rank is joined and runs rounds inside join()
         self.ref, self.registry = weakref.ref(opt), _registry()
         self.registry.latest = self.ref
         self.registry.alive.add(opt)
@@ -58,13 +57,15 @@ class Rounds:
         self.flags.zero_()
         self.flags[self.me] = int(self.serving)
         if self.request is None:  # the checked path once; its request is reused after
-            self.handle = ops.grouped_allreduce_async_([self.flags], name=self.name, op=Sum,
-                                                       process_set=self.process_set)
+            self.handle = ops.grouped_allreduce_async_(
+                [self.flags], name=self.name, op=Sum, process_set=self.process_set
+            )
             member = world.state().handles.members(self.handle)[0]
             self.request, self.cache_key = member.request, member.cache_key
         else:
-            self.handle = ops.bucket_allreduce_async_(self.request, [self.flags],
-                                                      self.process_set, self.cache_key)
+            self.handle = ops.bucket_allreduce_async_(
+                self.request, [self.flags], self.process_set, self.cache_key
+            )
 
     def collect(self) -> None:
         """Wait for this round's flags. Synchronization: every rank of the set submitted them."""
@@ -99,8 +100,9 @@ class Rounds:
     def _exchange(self, message):
         assert self.current is not None  # some rank joined in a round collected before
         leader = next(r for r, f in zip(self.ranks, self.current) if not f)
-        return functions.broadcast_object(message, root_rank=leader, name=self.tag + "next",
-                                          process_set=self.process_set)
+        return functions.broadcast_object(
+            message, root_rank=leader, name=self.tag + "next", process_set=self.process_set
+        )
 
     def receive(self):
         """On a joined rank: the next action the training ranks announce (code, args)."""
@@ -150,8 +152,10 @@ class _Server:
             elif code == "skip":
                 return
             else:
-                raise MpidpError(f"join(): ShardedOptimizer announced {code!r}, which this "
-                                 f"rank does not know (different mpidp versions?)")
+                raise MpidpError(
+                    f"join(): ShardedOptimizer announced {code!r}, which this "
+                    f"rank does not know (different mpidp versions?)"
+                )
 
 
 class _Registry:
@@ -173,7 +177,8 @@ class _Registry:
                 f"join() can keep stepping the shards of one only: the training ranks would "
                 f"wait in the others' steps. Use join() with a single ShardedOptimizer (drop "
                 f"the others first, or give every rank the same number of batches and skip "
-                f"join()), or use DistributedOptimizer for the other models")
+                f"join()), or use DistributedOptimizer for the other models"
+            )
         opt = self.latest() if self.latest is not None else None
         return _Server(opt) if opt is not None and opt.is_sharded else None
 

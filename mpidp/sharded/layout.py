@@ -11,8 +11,7 @@ class Layout:
     Equal chunks make the reduce-scatter and the allgather balanced (each rank sends and
     receives the same count), so the two move what one allreduce moves."""
 
-    def __init__(self, params: List[torch.nn.Parameter], indices: List[int], size: int,
-                 rank: int):
+    def __init__(self, params: List[torch.nn.Parameter], indices: List[int], size: int, rank: int):
         self.params = params
         self.indices = indices  # each parameter's position in the wrapped optimizer's groups
         self.numels = [p.numel() for p in params]
@@ -48,7 +47,7 @@ class Layout:
                 out[begin:end].zero_()
             else:
                 out[begin:end].copy_(t.reshape(-1))
-        out[self.total:].zero_()
+        out[self.total :].zero_()
         return out
 
     def home(self, flat: torch.Tensor) -> None:
@@ -61,16 +60,20 @@ class Layout:
                 if p.data_ptr() != view.data_ptr():
                     view.copy_(p.detach())
                     p.data = view
-            flat[self.total:].zero_()
+            flat[self.total :].zero_()
 
     def homed(self, flat: torch.Tensor) -> bool:
         """Whether every parameter is still the view home() made (not given new storage)."""
         base = flat.data_ptr()
         size = flat.element_size()
-        return all(p.data_ptr() == base + begin * size and p.is_contiguous()
-                   for p, begin in zip(self.params, self.offsets))
+        return all(
+            p.data_ptr() == base + begin * size and p.is_contiguous()
+            for p, begin in zip(self.params, self.offsets)
+        )
 
     def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """The padded bucket-long `flat` as one tensor per parameter, shaped like it."""
-        return [flat[begin:end].view_as(p) for p, begin, end
-                in zip(self.params, self.offsets, self.offsets[1:])]
+        return [
+            flat[begin:end].view_as(p)
+            for p, begin, end in zip(self.params, self.offsets, self.offsets[1:])
+        ]

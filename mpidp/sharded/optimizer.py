@@ -18,19 +18,18 @@ from typing import Optional
 
 import torch
 
-from ..ops import functions
-from ..training import grad_norm
 from .. import ops
+from ..ops import Average, functions
+from ..ops.eager import eager
 from ..runtime import world
-from . import join, state_forms
+from ..runtime.process_sets import member_of
+from ..training import grad_norm
 from ..training.buckets import make_buckets
 from ..training.optimizer import DistributedOptimizer
-from .pack_pool import PackPool
-from ..ops import Average
-from ..ops.eager import eager
-from ..runtime.process_sets import member_of
+from . import join, state_forms
 from .buffers import ShardBuffers
 from .layout import Layout
+from .pack_pool import PackPool
 
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")  # state not per element
 
@@ -45,18 +44,31 @@ class ShardedOptimizer(DistributedOptimizer):
 
     completes_in_backward = False  # its synchronize() is a reduce-scatter for step()
 
-    def __init__(self, optimizer, named_parameters=None, process_set=None, stage: int = 1,
-                 backward_passes_per_step: int = 1):
+    def __init__(
+        self,
+        optimizer,
+        named_parameters=None,
+        process_set=None,
+        stage: int = 1,
+        backward_passes_per_step: int = 1,
+    ):
         if stage not in (1, 2) or isinstance(stage, bool):
-            raise ValueError(f"ShardedOptimizer: stage must be 1 (optimizer state sharded) or "
-                             f"2 (gradients too), not {stage!r}")
+            raise ValueError(
+                f"ShardedOptimizer: stage must be 1 (optimizer state sharded) or "
+                f"2 (gradients too), not {stage!r}"
+            )
         if type(optimizer).__name__ in _NOT_ELEMENTWISE:
-            raise ValueError(f"ShardedOptimizer: {type(optimizer).__name__} is not elementwise "
-                             f"per parameter, so its state cannot be cut into shards; use "
-                             f"DistributedOptimizer")
-        super().__init__(optimizer, named_parameters,
-                         backward_passes_per_step=backward_passes_per_step,
-                         process_set=process_set)
+            raise ValueError(
+                f"ShardedOptimizer: {type(optimizer).__name__} is not elementwise "
+                f"per parameter, so its state cannot be cut into shards; use "
+                f"DistributedOptimizer"
+            )
+        super().__init__(
+            optimizer,
+            named_parameters,
+            backward_passes_per_step=backward_passes_per_step,
+            process_set=process_set,
+        )
         self._stage = stage
         self._consolidated: Optional[dict] = None
         self._reduced = False
@@ -75,26 +87,35 @@ class ShardedOptimizer(DistributedOptimizer):
                 group_of[p] = gi
         self._group_indices = [[position[p] for p in g["params"]] for g in groups]
         trained = [p for p in self._names if p.requires_grad]
-        self._buckets = make_buckets(trained, self._names, {},
-                                     world.state().config.bucket_bytes, group_of)
+        self._buckets = make_buckets(
+            trained, self._names, {}, world.state().config.bucket_bytes, group_of
+        )
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._slot = {id(b): i for i, b in enumerate(self._buckets)}
-        self._place = {p: (i, j) for i, b in enumerate(self._buckets)
-                       for j, p in enumerate(b.params)}
-        self._layouts = [Layout(b.params, [position[p] for p in b.params], self._size,
-                                self._rank) for b in self._buckets]
+        self._place = {
+            p: (i, j) for i, b in enumerate(self._buckets) for j, p in enumerate(b.params)
+        }
+        self._layouts = [
+            Layout(b.params, [position[p] for p in b.params], self._size, self._rank)
+            for b in self._buckets
+        ]
         # Every op of this optimizer is named under one tag: a joined rank serves the tag.
         self._tag = f"mpidp.sharded.{self._buckets[0].name if self._buckets else ''}/"
         self._join = join.Rounds(self, self._ranks, self._rank, self._tag)
         # The parameters move into one buffer per bucket (each a view of its place), so this
         # rank's shard is a view of them: stepped in place, and the allgather lands in place.
-        self._bufs = [ShardBuffers(lay, b.params[0])
-                      for lay, b in zip(self._layouts, self._buckets)]
+        self._bufs = [
+            ShardBuffers(lay, b.params[0]) for lay, b in zip(self._layouts, self._buckets)
+        ]
         self._shards = [buf.shard for buf in self._bufs]
         self._pool = PackPool(self._layouts, [b.params[0] for b in self._buckets])  # stage 2
         for gi, group in enumerate(groups):
-            group["params"] = [piece for buf, b in zip(self._bufs, self._buckets)
-                               if group_of[b.params[0]] == gi for piece in buf.pieces]
+            group["params"] = [
+                piece
+                for buf, b in zip(self._bufs, self._buckets)
+                if group_of[b.params[0]] == gi
+                for piece in buf.pieces
+            ]
         if full is not None:
             state_forms.load_full(self._opt, self._layouts, self._pieces(), full)
 
@@ -126,12 +147,17 @@ class ShardedOptimizer(DistributedOptimizer):
         raise ValueError("ShardedOptimizer: add parameter groups before wrapping the optimizer")
 
     def _follow_requires_grad(self) -> None:
-        changed = [self._names[p] for p in self._frozen + self._trained
-                   if p.requires_grad != (p in self._bucket_of)]
+        changed = [
+            self._names[p]
+            for p in self._frozen + self._trained
+            if p.requires_grad != (p in self._bucket_of)
+        ]
         if changed and not self._outside:
-            raise RuntimeError(f"ShardedOptimizer: parameters {changed[:5]} changed requires_grad "
-                               f"after wrapping; its shards are laid out once. Wrap it after "
-                               f"(un)freezing them (DistributedOptimizer follows such changes)")
+            raise RuntimeError(
+                f"ShardedOptimizer: parameters {changed[:5]} changed requires_grad "
+                f"after wrapping; its shards are laid out once. Wrap it after "
+                f"(un)freezing them (DistributedOptimizer follows such changes)"
+            )
 
     def _hook(self, p) -> None:
         if self._stage == 1 and not self._outside:
@@ -152,17 +178,23 @@ class ShardedOptimizer(DistributedOptimizer):
         self._join.submit()  # who has joined: with the step's first bucket, overlapping backward
         i = self._slot[id(bucket)]
         layout, first = self._layouts[i], bucket.params[0]
-        grads = [None if p.grad is None else
-                 (p.grad.to_dense() if p.grad.is_sparse else p.grad) for p in bucket.params]
+        grads = [
+            None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            for p in bucket.params
+        ]
         if self._stage == 1:
             flat = self._bufs[i].fill(bucket.params, grads)
         else:
             flat = layout.pack(grads, self._pool.take(i, first, layout.padded, self._collect))
             for p in bucket.params:
                 p.grad = None
-        bucket.handle = ops.reducescatter_into_async(flat, self._bufs[i].reduced_buffer(),
-                                                     name=self._tag + bucket.name, op=Average,
-                                                     process_set=self._process_set)
+        bucket.handle = ops.reducescatter_into_async(
+            flat,
+            self._bufs[i].reduced_buffer(),
+            name=self._tag + bucket.name,
+            op=Average,
+            process_set=self._process_set,
+        )
 
     def _collect(self, i: int) -> None:
         """Wait for bucket i's reduce-scatter: its chunk's averaged gradient."""
@@ -208,9 +240,11 @@ class ShardedOptimizer(DistributedOptimizer):
         if self.step_state.should_sync:
             self.synchronize()
         elif not self._reduced:
-            raise RuntimeError("ShardedOptimizer.step() inside skip_synchronize() needs "
-                               "optimizer.synchronize() first: the shards have no reduced "
-                               "gradients yet")
+            raise RuntimeError(
+                "ShardedOptimizer.step() inside skip_synchronize() needs "
+                "optimizer.synchronize() first: the shards have no reduced "
+                "gradients yet"
+            )
         self._join.announce("step", state_forms.options(self._opt.param_groups))
         self._consolidated = None
         for buf in self._bufs:
@@ -220,10 +254,15 @@ class ShardedOptimizer(DistributedOptimizer):
         self.step_state.stepped()
         # In place: each shard is its rank's block of the home the others' blocks land in.
         with ops.blocking():
-            handles = [ops.allgather_into_async(buf.shard.detach(), buf.home,
-                                                name=f"{self._tag}{b.name}.params",
-                                                process_set=self._process_set)
-                       for buf, b in zip(self._bufs, self._buckets)]
+            handles = [
+                ops.allgather_into_async(
+                    buf.shard.detach(),
+                    buf.home,
+                    name=f"{self._tag}{b.name}.params",
+                    process_set=self._process_set,
+                )
+                for buf, b in zip(self._bufs, self._buckets)
+            ]
         for handle in handles:
             ops.synchronize(handle)
         return loss
@@ -248,8 +287,9 @@ class ShardedOptimizer(DistributedOptimizer):
                     p.grad.zero_()
         self._reduced = False
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Scale the reduced gradients so that their global norm (over every parameter of every
         rank's shard) is at most `max_norm`, as torch.nn.utils.clip_grad_norm_ does for a whole
         model; returns the norm before clipping. Synchronizes first if step() has not.
@@ -257,25 +297,28 @@ class ShardedOptimizer(DistributedOptimizer):
         norm_type = float(norm_type)
         if self._outside:
             params = [p for g in self._opt.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
-                                                  error_if_nonfinite)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self.synchronize()
         self._join.announce("clip", max_norm, norm_type, error_if_nonfinite)
         grads = [s.grad for s in self._shards if s.grad is not None]
-        return grad_norm.clip_(grads, max_norm, norm_type, error_if_nonfinite,
-                               self._process_set)
+        return grad_norm.clip_(grads, max_norm, norm_type, error_if_nonfinite, self._process_set)
 
     def _groups(self):
-        return [dict(options, params=list(indices)) for options, indices in
-                zip(state_forms.options(self._opt.param_groups), self._group_indices)]
+        return [
+            dict(options, params=list(indices))
+            for options, indices in zip(
+                state_forms.options(self._opt.param_groups), self._group_indices
+            )
+        ]
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the state (state_forms.SHARDED_FORMAT); every rank's together
         load at any world size. No collective."""
         if self._outside:
             return self._opt.state_dict()
-        return state_forms.local(self._opt, self._layouts, self._pieces(), self._groups(),
-                                 self._size, self._rank)
+        return state_forms.local(
+            self._opt, self._layouts, self._pieces(), self._groups(), self._size, self._rank
+        )
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state, in the wrapped optimizer's own per-parameter form, on global
@@ -284,10 +327,13 @@ class ShardedOptimizer(DistributedOptimizer):
         if self._outside:
             return
         if to not in self._ranks:
-            raise ValueError(f"ShardedOptimizer.consolidate_state_dict: rank {to} is not in the "
-                             f"optimizer's process set (ranks {list(self._ranks)})")
-        parts = functions.allgather_object(self.sharded_state_dict(), name="mpidp.consolidate",
-                                           process_set=self._process_set)
+            raise ValueError(
+                f"ShardedOptimizer.consolidate_state_dict: rank {to} is not in the "
+                f"optimizer's process set (ranks {list(self._ranks)})"
+            )
+        parts = functions.allgather_object(
+            self.sharded_state_dict(), name="mpidp.consolidate", process_set=self._process_set
+        )
         self._consolidated = state_forms.assemble(parts) if world.rank() == to else None
 
     def state_dict(self):
@@ -297,11 +343,13 @@ class ShardedOptimizer(DistributedOptimizer):
         if self._outside:
             return self._opt.state_dict()
         if self._consolidated is None:
-            raise RuntimeError("ShardedOptimizer.state_dict(): each rank holds only its shard "
-                               "of the state; call optimizer.consolidate_state_dict(to=R) on "
-                               "every rank first, then state_dict() on rank R (or "
-                               "sharded_state_dict() on every rank, or save with "
-                               "mpidp.checkpoint.save / save_sharded)")
+            raise RuntimeError(
+                "ShardedOptimizer.state_dict(): each rank holds only its shard "
+                "of the state; call optimizer.consolidate_state_dict(to=R) on "
+                "every rank first, then state_dict() on rank R (or "
+                "sharded_state_dict() on every rank, or save with "
+                "mpidp.checkpoint.save / save_sharded)"
+            )
         return self._consolidated
 
     def load_state_dict(self, state_dict) -> None:
@@ -311,16 +359,23 @@ class ShardedOptimizer(DistributedOptimizer):
             return self._opt.load_state_dict(state_dict)
         if isinstance(state_dict, (list, tuple)):
             state_dict = state_forms.assemble(list(state_dict))
-        elif isinstance(state_dict, dict) and \
-                state_dict.get("format") == state_forms.SHARDED_FORMAT:
-            raise ValueError("ShardedOptimizer.load_state_dict: this is one rank's shard; pass "
-                             "the list of every rank's sharded_state_dict()")
+        elif (
+            isinstance(state_dict, dict) and state_dict.get("format") == state_forms.SHARDED_FORMAT
+        ):
+            raise ValueError(
+                "ShardedOptimizer.load_state_dict: this is one rank's shard; pass "
+                "the list of every rank's sharded_state_dict()"
+            )
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
-            raise ValueError("ShardedOptimizer.load_state_dict: expected an optimizer state "
-                             "dict ('state' and 'param_groups') or a list of sharded ones")
+            raise ValueError(
+                "ShardedOptimizer.load_state_dict: expected an optimizer state "
+                "dict ('state' and 'param_groups') or a list of sharded ones"
+            )
         sizes = [len(g.get("params", ())) for g in state_dict["param_groups"]]
         if sizes != [len(g) for g in self._group_indices]:
-            raise ValueError(f"ShardedOptimizer.load_state_dict: the state's parameter groups "
-                             f"hold {sizes} parameters, the optimizer's "
-                             f"{[len(g) for g in self._group_indices]}")
+            raise ValueError(
+                f"ShardedOptimizer.load_state_dict: the state's parameter groups "
+                f"hold {sizes} parameters, the optimizer's "
+                f"{[len(g) for g in self._group_indices]}"
+            )
         state_forms.load_full(self._opt, self._layouts, self._pieces(), state_dict)

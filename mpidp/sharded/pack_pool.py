@@ -22,8 +22,9 @@ class PackPool:
         self.made: Dict[Tuple, int] = {key: 0 for key in self.sizes}
         self.busy: List[Tuple[int, Tuple, torch.Tensor]] = []  # (bucket, key, buffer), oldest first
 
-    def take(self, bucket: int, like: torch.Tensor, n: int,
-             collect: Callable[[int], None]) -> torch.Tensor:
+    def take(
+        self, bucket: int, like: torch.Tensor, n: int, collect: Callable[[int], None]
+    ) -> torch.Tensor:
         """A buffer of `n` elements for bucket index `bucket`. When DEPTH buffers of this dtype
         and device are in flight, `collect(j)` must finish the oldest bucket j holding one (wait
         for its op), whose buffer is then reused."""

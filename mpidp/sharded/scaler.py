@@ -3,8 +3,7 @@
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ..ops import collectives
-from ..ops import Max
+from ..ops import Max, collectives
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -32,8 +31,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             optimizer.synchronize()
         super().unscale_(optimizer)
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        local = sum((v.double().sum() for v in found.values()),
-                    torch.zeros((), dtype=torch.float64))
+        local = sum(
+            (v.double().sum() for v in found.values()), torch.zeros((), dtype=torch.float64)
+        )
         rounds = getattr(optimizer, "join_rounds", None)  # a ShardedOptimizer's (join.py)
         assert self._scale is not None  # unscale_ follows scale(), which made it
         if rounds is not None:
@@ -52,8 +52,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         else:
             # Unscaled here even for a fused optimizer, which GradScaler.step would hand the
             # scale and a flag from this rank's own unreduced gradients.
-            if self._enabled and \
-                    self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            if (
+                self._enabled
+                and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
+            ):
                 self.unscale_(optimizer)
             with optimizer.skip_synchronize():  # unscale_() reduced the gradients already
                 result = super().step(optimizer, *args, **kwargs)
@@ -79,8 +81,9 @@ def _unsynchronized(optimizer) -> bool:
 
 def _agree(local: torch.Tensor, process_set) -> torch.Tensor:
     """Whether any rank of the set found an inf or NaN (> 0). Synchronization: one allreduce."""
-    return collectives.allreduce(local.reshape(1), name="mpidp.grad_scaler.found_inf", op=Max,
-                                 process_set=process_set)[0]
+    return collectives.allreduce(
+        local.reshape(1), name="mpidp.grad_scaler.found_inf", op=Max, process_set=process_set
+    )[0]
 
 
 def unscale_joined(optimizer, inv_scale: float) -> None:

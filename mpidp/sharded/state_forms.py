@@ -32,11 +32,13 @@ def _is_flat(key: str, value, like_shape) -> bool:
     if value.dim() == 0 and (len(like_shape) != 0 or key in _SCALAR_KEYS):
         return False
     if tuple(value.shape) != tuple(like_shape):
-        raise ValueError(f"ShardedOptimizer: optimizer state {key!r} has shape "
-                         f"{tuple(value.shape)}, neither a scalar nor the shape of its "
-                         f"parameter {tuple(like_shape)}; only optimizers whose state is "
-                         f"elementwise per parameter (SGD, Adam, AdamW, RMSprop, ...) can be "
-                         f"sharded. Use DistributedOptimizer for this one")
+        raise ValueError(
+            f"ShardedOptimizer: optimizer state {key!r} has shape "
+            f"{tuple(value.shape)}, neither a scalar nor the shape of its "
+            f"parameter {tuple(like_shape)}; only optimizers whose state is "
+            f"elementwise per parameter (SGD, Adam, AdamW, RMSprop, ...) can be "
+            f"sharded. Use DistributedOptimizer for this one"
+        )
     return True
 
 
@@ -66,13 +68,23 @@ def local(opt, layouts, pieces_of, groups, world_size: int, rank: int) -> Dict:
         for i, at_param, at_shard, n in layout.own_pieces():
             entry = {}
             for key, value in state.items():
-                entry[key] = (value[at_shard:at_shard + n].clone()
-                              if _is_flat(key, value, (layout.chunk,)) else _copy(value))
-            pieces[layout.indices[i]] = {"range": [at_param, at_param + n],
-                                         "shape": list(layout.params[i].shape),
-                                         "state": entry}
-    return {"format": SHARDED_FORMAT, "world_size": world_size, "rank": rank,
-            "param_groups": groups, "pieces": pieces}
+                entry[key] = (
+                    value[at_shard : at_shard + n].clone()
+                    if _is_flat(key, value, (layout.chunk,))
+                    else _copy(value)
+                )
+            pieces[layout.indices[i]] = {
+                "range": [at_param, at_param + n],
+                "shape": list(layout.params[i].shape),
+                "state": entry,
+            }
+    return {
+        "format": SHARDED_FORMAT,
+        "world_size": world_size,
+        "rank": rank,
+        "param_groups": groups,
+        "pieces": pieces,
+    }
 
 
 def assemble(parts: List[Dict]) -> Dict:
@@ -80,8 +92,10 @@ def assemble(parts: List[Dict]) -> Dict:
     parts = sorted(parts, key=lambda d: d["rank"])
     ranks = [d["rank"] for d in parts]
     if ranks != list(range(parts[0]["world_size"])):
-        raise ValueError(f"ShardedOptimizer: the sharded state holds ranks {ranks} of "
-                         f"{parts[0]['world_size']}; every rank's shard is needed")
+        raise ValueError(
+            f"ShardedOptimizer: the sharded state holds ranks {ranks} of "
+            f"{parts[0]['world_size']}; every rank's shard is needed"
+        )
     by_index: Dict[int, list] = {}
     for part in parts:
         for idx, piece in part["pieces"].items():
@@ -93,21 +107,28 @@ def assemble(parts: List[Dict]) -> Dict:
         numel = 1
         for d in shape:
             numel *= d
-        if pieces[0]["range"][0] != 0 or pieces[-1]["range"][1] != numel or any(
-                a["range"][1] != b["range"][0] for a, b in zip(pieces, pieces[1:])):
+        if (
+            pieces[0]["range"][0] != 0
+            or pieces[-1]["range"][1] != numel
+            or any(a["range"][1] != b["range"][0] for a, b in zip(pieces, pieces[1:]))
+        ):
             raise ValueError(f"ShardedOptimizer: the shards of parameter {idx} do not cover it")
         keys = set(pieces[0]["state"])
         if not keys:
             continue
         if any(set(p["state"]) != keys for p in pieces):
-            raise ValueError(f"ShardedOptimizer: the shards of parameter {idx} hold different "
-                             f"state keys")
+            raise ValueError(
+                f"ShardedOptimizer: the shards of parameter {idx} hold different state keys"
+            )
         entry = {}
         for key in sorted(keys):
             first = pieces[0]["state"][key]
             # Pieces are 1-d and as long as their range; scalar state is kept as it was.
-            if isinstance(first, torch.Tensor) and first.dim() == 1 and \
-                    first.numel() == pieces[0]["range"][1] - pieces[0]["range"][0]:
+            if (
+                isinstance(first, torch.Tensor)
+                and first.dim() == 1
+                and first.numel() == pieces[0]["range"][1] - pieces[0]["range"][0]
+            ):
                 entry[key] = torch.cat([p["state"][key] for p in pieces]).view(shape)
             else:
                 entry[key] = first
@@ -121,9 +142,11 @@ def load_full(opt, layouts, pieces_of, full: Dict) -> None:
     groups. No collective."""
     saved, groups = full.get("param_groups"), opt.param_groups
     if not isinstance(saved, list) or len(saved) != len(groups):
-        raise ValueError(f"ShardedOptimizer.load_state_dict: the state has "
-                         f"{len(saved) if isinstance(saved, list) else 'no'} parameter groups, "
-                         f"the optimizer {len(groups)}")
+        raise ValueError(
+            f"ShardedOptimizer.load_state_dict: the state has "
+            f"{len(saved) if isinstance(saved, list) else 'no'} parameter groups, "
+            f"the optimizer {len(groups)}"
+        )
     states = {int(k): v for k, v in full.get("state", {}).items()}
     for layout, parts in zip(layouts, pieces_of):
         keys: Dict[str, bool] = {}
@@ -138,14 +161,19 @@ def load_full(opt, layouts, pieces_of, full: Dict) -> None:
                     scalars.setdefault(key, set()).add(value)
         mixed = {k: sorted(v) for k, v in scalars.items() if len(v) > 1}
         if mixed:
-            raise ValueError(f"ShardedOptimizer.load_state_dict: parameters that share a shard "
-                             f"have different {mixed}; they cannot be stepped as one")
+            raise ValueError(
+                f"ShardedOptimizer.load_state_dict: parameters that share a shard "
+                f"have different {mixed}; they cannot be stepped as one"
+            )
         new: List[Dict[str, object]] = [{} for _ in parts]
         sizes = [part.numel() for part in parts]
         for key, flat in keys.items():
             if not flat:
-                first = next(states[layout.indices[i]][key] for i, _, _, _ in own
-                             if key in states.get(layout.indices[i], {}))
+                first = next(
+                    states[layout.indices[i]][key]
+                    for i, _, _, _ in own
+                    if key in states.get(layout.indices[i], {})
+                )
                 for entry in new:
                     entry[key] = _copy(first)
                 continue
@@ -153,7 +181,7 @@ def load_full(opt, layouts, pieces_of, full: Dict) -> None:
             for i, at_param, at_shard, n in own:
                 value = states.get(layout.indices[i], {}).get(key)
                 if value is not None:
-                    buf[at_shard:at_shard + n].copy_(value.reshape(-1)[at_param:at_param + n])
+                    buf[at_shard : at_shard + n].copy_(value.reshape(-1)[at_param : at_param + n])
             for entry, piece in zip(new, buf.split(sizes)):
                 entry[key] = piece.clone()
         for part, entry in zip(parts, new):

@@ -32,29 +32,30 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import checkpoint_shards
-from ..ops import functions
 from .. import ops
-from ..runtime import world
-from .rng import rng_state, set_rng_state
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..log import logger
+from ..ops import functions
+from ..runtime import world
+from . import checkpoint_shards
+from .rng import rng_state, set_rng_state
 
 FORMAT = "mpidp.checkpoint/1"
 RESERVED = ("restore_rng",)  # load() options; save() refuses them as names
 
 _VALUE, _MODULE, _STATEFUL, _EPOCH = "value", "module", "stateful", "epoch"
-_PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device,
-          torch.Size)
+_PLAIN = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
 
 
 # ---- save ----
 
+
 def _kind(value) -> str:
     if isinstance(value, torch.nn.Module):
         return _MODULE
-    if callable(getattr(value, "state_dict", None)) and \
-            callable(getattr(value, "load_state_dict", None)):
+    if callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    ):
         return _STATEFUL
     if callable(getattr(value, "set_epoch", None)) and type(getattr(value, "epoch", None)) is int:
         return _EPOCH  # torch's DistributedSampler: its shuffle depends on the epoch alone
@@ -79,24 +80,33 @@ def _check_loadable(value, where: str) -> None:
             _check_loadable(key, f"{where} key {key!r}")
             _check_loadable(item, f"{where}[{key!r}]")
         return
-    hint = (" (an object is stored through its state_dict() and load_state_dict(), or as its "
-            "epoch if it has set_epoch() and an int epoch; this one has neither)"
-            if hasattr(value, "__dict__") else "")
-    raise TypeError(f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
-                    f"torch.load(weights_only=True) refuses{hint}; store tensors, numbers, "
-                    f"strings, lists, tuples or dicts (for example x.tolist() or "
-                    f"torch.from_numpy(x))")
+    hint = (
+        " (an object is stored through its state_dict() and load_state_dict(), or as its "
+        "epoch if it has set_epoch() and an int epoch; this one has neither)"
+        if hasattr(value, "__dict__")
+        else ""
+    )
+    raise TypeError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
+        f"torch.load(weights_only=True) refuses{hint}; store tensors, numbers, "
+        f"strings, lists, tuples or dicts (for example x.tolist() or "
+        f"torch.from_numpy(x))"
+    )
 
 
 def _payload(state: Dict[str, Any], rngs: List[Dict[str, Any]]) -> Dict[str, Any]:
     kinds, values = {}, {}
     for key, value in state.items():
         kinds[key] = kind = _kind(value)
-        values[key] = (value if kind == _VALUE else {"epoch": value.epoch} if kind == _EPOCH
-                       else value.state_dict())
+        values[key] = (
+            value
+            if kind == _VALUE
+            else {"epoch": value.epoch}
+            if kind == _EPOCH
+            else value.state_dict()
+        )
         _check_loadable(values[key], f"checkpoint value {key!r}")
-    return {"format": FORMAT, "world_size": len(rngs), "kinds": kinds, "state": values,
-            "rng": rngs}
+    return {"format": FORMAT, "world_size": len(rngs), "kinds": kinds, "state": values, "rng": rngs}
 
 
 def _remove_stale_temporaries(directory: str, base: str) -> None:
@@ -124,8 +134,9 @@ def _fsync_directory(directory: str) -> None:
 def _write_atomically(path: str, payload: Dict[str, Any]) -> None:
     directory, base = os.path.split(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise FileNotFoundError(errno.ENOENT, "the checkpoint's directory does not exist",
-                                directory)
+        raise FileNotFoundError(
+            errno.ENOENT, "the checkpoint's directory does not exist", directory
+        )
     _remove_stale_temporaries(directory, base)
     tmp = os.path.join(directory, f".{base}.tmp-{os.getpid()}")
     # os.open rather than tempfile: the checkpoint gets the umask's permissions, like torch.save.
@@ -186,8 +197,10 @@ def save(path, /, **state) -> None:
             logger.error("checkpoint.save(%r) failed: %s", path, failure)
     failure = functions.broadcast_object(failure, 0, name="mpidp.checkpoint.save.outcome")
     if failure is not None:
-        raise CheckpointError(f"checkpoint.save({path!r}) failed on rank 0: {failure}; the "
-                              f"previous checkpoint there, if any, is unchanged")
+        raise CheckpointError(
+            f"checkpoint.save({path!r}) failed on rank 0: {failure}; the "
+            f"previous checkpoint there, if any, is unchanged"
+        )
     logger.debug("checkpoint saved to %s", path)
 
 
@@ -200,6 +213,7 @@ def save_sharded(path, /, **state) -> None:
 
 
 # ---- load ----
+
 
 def _damaged_member(data: bytearray):
     """The first part of a checkpoint whose bytes fail the CRC-32 its zip archive stores, or None:
@@ -222,9 +236,15 @@ def _read_on_rank0(path: str):
             return "error", f"{path!r} changed size while rank 0 read it", empty
         damaged = _damaged_member(data)
         if damaged:
-            return "error", (f"{path!r} is damaged: its part {damaged!r} fails its CRC-32 check "
-                             f"(a torn copy or a disk fault); load an earlier checkpoint or start "
-                             f"over"), empty
+            return (
+                "error",
+                (
+                    f"{path!r} is damaged: its part {damaged!r} fails its CRC-32 check "
+                    f"(a torn copy or a disk fault); load an earlier checkpoint or start "
+                    f"over"
+                ),
+                empty,
+            )
         return None, None, torch.frombuffer(data, dtype=torch.uint8) if data else empty
     except FileNotFoundError:
         return "missing", f"no checkpoint at {path!r} (as seen by rank 0)", empty
@@ -237,8 +257,9 @@ def _broadcast_file(path: str):
     not pickled: about half of broadcast_object's time for 100 MiB here (BENCHMARKS.md)."""
     read = _read_on_rank0(path) if world.rank() == 0 else (None, None, None)
     header = (read[0], read[1], read[2].numel()) if read[2] is not None else None
-    kind, message, length = functions.broadcast_object(header, 0,
-                                                       name="mpidp.checkpoint.load.header")
+    kind, message, length = functions.broadcast_object(
+        header, 0, name="mpidp.checkpoint.load.header"
+    )
     data = read[2] if world.rank() == 0 else torch.empty(length, dtype=torch.uint8)
     if length:
         ops.synchronize(ops.broadcast_async_(data, 0, name="mpidp.checkpoint.load.file"))
@@ -263,11 +284,15 @@ def _apply(path: str, payload: Dict[str, Any], targets: Dict[str, Any]) -> Dict[
             target.set_epoch(state[key]["epoch"])
             continue
         if not callable(getattr(target, "load_state_dict", None)):
-            raise TypeError(f"checkpoint.load: target {key!r} is a {type(target).__name__} "
-                            f"without load_state_dict(); leave it out to get the value back")
+            raise TypeError(
+                f"checkpoint.load: target {key!r} is a {type(target).__name__} "
+                f"without load_state_dict(); leave it out to get the value back"
+            )
         if kinds[key] == _VALUE:
-            raise TypeError(f"checkpoint.load: {key!r} was saved as a plain value, not as the "
-                            f"state of a module, optimizer or sampler")
+            raise TypeError(
+                f"checkpoint.load: {key!r} was saved as a plain value, not as the "
+                f"state of a module, optimizer or sampler"
+            )
         target.load_state_dict(checkpoint_shards.resolve(path, key, state[key], target))
     return {key: value for key, value in state.items() if key not in targets}
 
@@ -301,15 +326,21 @@ def load(path, /, *, restore_rng: bool = True, **targets) -> Dict[str, Any]:
         if restore_rng and payload["world_size"] == world.size():
             set_rng_state(payload["rng"][rank])
         elif restore_rng and rank == 0:
-            logger.warning("checkpoint %s was saved by %d ranks and is loaded by %d: RNG states "
-                           "are not restored, so this run will not repeat the saved one "
-                           "bitwise", path, payload["world_size"], world.size())
+            logger.warning(
+                "checkpoint %s was saved by %d ranks and is loaded by %d: RNG states "
+                "are not restored, so this run will not repeat the saved one "
+                "bitwise",
+                path,
+                payload["world_size"],
+                world.size(),
+            )
     except Exception as exc:  # noqa: BLE001 - every rank must learn of every rank's failure
         failure = f"{type(exc).__name__}: {exc}"
     failures = functions.allgather_object(failure, name="mpidp.checkpoint.load.outcome")
     bad = [(r, f) for r, f in enumerate(failures) if f is not None]
     if bad:
-        raise CheckpointError(f"checkpoint.load({path!r}) failed: " +
-                              "; ".join(f"rank {r}: {f}" for r, f in bad))
+        raise CheckpointError(
+            f"checkpoint.load({path!r}) failed: " + "; ".join(f"rank {r}: {f}" for r, f in bad)
+        )
     assert rest is not None  # no rank failed, this one included
     return rest

@@ -16,10 +16,10 @@ from typing import Any, Dict
 
 import torch
 
+from ..errors import CheckpointError
 from ..ops import functions
 from ..runtime import world
 from ..sharded import state_forms
-from ..errors import CheckpointError
 
 SHARD_FORMAT = "mpidp.checkpoint.shard/1"
 _REFERENCE = "mpidp_shards"
@@ -47,29 +47,41 @@ def write(path: str, state: Dict[str, Any], write_atomically, describe) -> Dict[
     their place. Synchronization: a broadcast of the tag and an allgather of every rank's
     outcome (a failure on any rank raises CheckpointError on every rank)."""
     rank, size = world.rank(), world.size()
-    tag = functions.broadcast_object(uuid.uuid4().hex if rank == 0 else None, 0,
-                                     name="mpidp.checkpoint.save_sharded.tag")
+    tag = functions.broadcast_object(
+        uuid.uuid4().hex if rank == 0 else None, 0, name="mpidp.checkpoint.save_sharded.tag"
+    )
     mine = sorted(k for k, v in state.items() if getattr(v, "is_sharded", False))
     failure = None
     if mine:
         try:
-            write_atomically(shard_name(path, rank, size),
-                             {"format": SHARD_FORMAT, "tag": tag,
-                              "state": {k: state[k].sharded_state_dict() for k in mine}})
+            write_atomically(
+                shard_name(path, rank, size),
+                {
+                    "format": SHARD_FORMAT,
+                    "tag": tag,
+                    "state": {k: state[k].sharded_state_dict() for k in mine},
+                },
+            )
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             failure = describe(exc)
-    outcomes = functions.allgather_object((mine, failure),
-                                          name="mpidp.checkpoint.save_sharded.outcome")
+    outcomes = functions.allgather_object(
+        (mine, failure), name="mpidp.checkpoint.save_sharded.outcome"
+    )
     bad = [(r, f) for r, (_, f) in enumerate(outcomes) if f is not None]
     if bad:
-        raise CheckpointError(f"checkpoint.save_sharded({path!r}) failed: " +
-                              "; ".join(f"rank {r}: {f}" for r, f in bad) +
-                              f"; the previous checkpoint at {path!r}, if any, is unchanged")
+        raise CheckpointError(
+            f"checkpoint.save_sharded({path!r}) failed: "
+            + "; ".join(f"rank {r}: {f}" for r, f in bad)
+            + f"; the previous checkpoint at {path!r}, if any, is unchanged"
+        )
     base = os.path.basename(path)
     refs = {}
     for key in {k for keys, _ in outcomes for k in keys}:
-        files = [os.path.basename(shard_name(base, r, size))
-                 for r, (keys, _) in enumerate(outcomes) if key in keys]
+        files = [
+            os.path.basename(shard_name(base, r, size))
+            for r, (keys, _) in enumerate(outcomes)
+            if key in keys
+        ]
         refs[key] = _Reference({_REFERENCE: files, "tag": tag})
     return refs
 
@@ -88,12 +100,19 @@ def resolve(path: str, key: str, value, target):
         try:
             data = torch.load(file, map_location="cpu", weights_only=True)
         except FileNotFoundError:
-            raise CheckpointError(f"{path!r} refers to the shard file {file!r}, which is "
-                                  f"missing on rank {world.rank()}; sharded checkpoints "
-                                  f"need a file system every rank sees") from None
-        if not isinstance(data, dict) or data.get("format") != SHARD_FORMAT or \
-                data.get("tag") != value["tag"]:
-            raise CheckpointError(f"shard file {file!r} does not belong to the checkpoint "
-                                  f"{path!r} (another save wrote it)")
+            raise CheckpointError(
+                f"{path!r} refers to the shard file {file!r}, which is "
+                f"missing on rank {world.rank()}; sharded checkpoints "
+                f"need a file system every rank sees"
+            ) from None
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != SHARD_FORMAT
+            or data.get("tag") != value["tag"]
+        ):
+            raise CheckpointError(
+                f"shard file {file!r} does not belong to the checkpoint "
+                f"{path!r} (another save wrote it)"
+            )
         shards.append(data["state"][key])
     return shards if getattr(target, "is_sharded", False) else state_forms.assemble(shards)

@@ -25,11 +25,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from . import checkpoint
+from ..log import logger
 from ..ops import functions
 from ..runtime import world
+from . import checkpoint
 from .elastic_sampler import ElasticSampler  # noqa: F401 (mpidp.elastic.ElasticSampler)
-from ..log import logger
 
 
 class State(abc.ABC):
@@ -65,7 +65,8 @@ class State(abc.ABC):
             if mine is None:
                 mine = world.state().config.elastic_checkpoint
             self._checkpoint_path = functions.broadcast_object(
-                str(mine), 0, name="mpidp.elastic.checkpoint_path")
+                str(mine), 0, name="mpidp.elastic.checkpoint_path"
+            )
         return self._checkpoint_path
 
     def commit(self) -> None:
@@ -164,8 +165,13 @@ class TorchState(ObjectState):
     `checkpoint_path` (keyword) persists commits there (see the module docstring).
     """
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer=None,
-                 checkpoint_path: Optional[str] = None, **kwargs):
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        optimizer=None,
+        checkpoint_path: Optional[str] = None,
+        **kwargs,
+    ):
         _check_names(self, kwargs)
         self.model = model
         self.optimizer = optimizer
@@ -188,8 +194,9 @@ class TorchState(ObjectState):
     def save(self) -> None:
         """Keep copies of the model's, optimizer's and samplers' states and of the values."""
         super().save()
-        self._saved_states = {name: copy.deepcopy(obj.state_dict())
-                              for name, obj in self._objects().items()}
+        self._saved_states = {
+            name: copy.deepcopy(obj.state_dict()) for name, obj in self._objects().items()
+        }
 
     def restore(self) -> None:
         """Put the last commit back into the model, optimizer, samplers and values."""
@@ -207,8 +214,10 @@ class TorchState(ObjectState):
         if self.optimizer is not None:
             functions.broadcast_optimizer_state(self.optimizer, 0, model=self.model)
         states = functions.broadcast_object(
-            {name: obj.state_dict() for name, obj in self._stateful.items()}, 0,
-            name="mpidp.elastic.states")
+            {name: obj.state_dict() for name, obj in self._stateful.items()},
+            0,
+            name="mpidp.elastic.states",
+        )
         for name, value in states.items():
             self._stateful[name].load_state_dict(value)
         super().sync()
@@ -226,17 +235,22 @@ class TorchState(ObjectState):
 
 def _check_names(state: State, kwargs: Dict[str, Any]) -> None:
     own = ("model", "optimizer")
-    taken = [name for name in kwargs
-             if name.startswith("_") or name in own or hasattr(type(state), name)]
+    taken = [
+        name for name in kwargs if name.startswith("_") or name in own or hasattr(type(state), name)
+    ]
     if taken:
-        raise ValueError(f"{type(state).__name__}: the names {taken} are its own attributes or "
-                         f"methods; choose other names")
+        raise ValueError(
+            f"{type(state).__name__}: the names {taken} are its own attributes or "
+            f"methods; choose other names"
+        )
 
 
 def _stateful(value) -> bool:
-    return not isinstance(value, torch.nn.Module) and \
-        callable(getattr(value, "state_dict", None)) and \
-        callable(getattr(value, "load_state_dict", None))
+    return (
+        not isinstance(value, torch.nn.Module)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -247,6 +261,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     `func`. Errors are not caught (see the module docstring). Synchronization: the collectives
     of `state.resume()` and `state.sync()`.
     """
+
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         resumed = state.resume()
@@ -254,4 +269,5 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         if resumed:
             state.on_reset()
         return func(state, *args, **kwargs)
+
     return wrapper

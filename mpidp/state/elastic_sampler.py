@@ -28,8 +28,15 @@ class ElasticSampler(torch.utils.data.Sampler):
     loop that calls it at the top of each epoch keeps a resumed position).
     """
 
-    def __init__(self, dataset, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 num_replicas: Optional[int] = None, rank: Optional[int] = None):
+    def __init__(
+        self,
+        dataset,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+    ):
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
@@ -38,7 +45,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._rank_arg = rank
         self.epoch = 0
         self.processed = 0  # samples of this epoch's order done by all ranks together
-        self._base = 0      # `processed` when the current shard was dealt
+        self._base = 0  # `processed` when the current shard was dealt
         self.reset()
 
     def reset(self) -> None:
@@ -53,7 +60,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         else:
             order = list(range(n))
         self._base = min(self.processed, n)
-        remaining = order[self._base:]
+        remaining = order[self._base :]
         if self.drop_last:
             total = len(remaining) // self.num_replicas * self.num_replicas
             remaining = remaining[:total]
@@ -65,7 +72,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self._remaining = len(order) - self._base
         self._order = order
         self._local = 0  # samples this rank has recorded since this deal
-        self.indices = remaining[self.rank:total:self.num_replicas]
+        self.indices = remaining[self.rank : total : self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning; no change if it is already the current epoch."""
@@ -91,12 +98,12 @@ class ElasticSampler(torch.utils.data.Sampler):
     def get_indices(self, batch_idx: int, batch_size: int):
         """This rank's data-set indices of batch `batch_idx` (of `batch_size`) since the last
         reset."""
-        return self.indices[batch_idx * batch_size:(batch_idx + 1) * batch_size]
+        return self.indices[batch_idx * batch_size : (batch_idx + 1) * batch_size]
 
     @property
     def processed_indices(self):
         """The data-set indices of this epoch that every rank together has processed."""
-        return set(self._order[:self.processed])
+        return set(self._order[: self.processed])
 
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "processed": self.processed, "seed": self.seed}

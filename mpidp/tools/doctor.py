@@ -8,8 +8,8 @@ import time
 from typing import List, Optional
 
 from .. import config as _config
-from ..runtime import unknown_vars
 from ..errors import ConfigError, MpidpError
+from ..runtime import unknown_vars
 
 _OK, _INFO, _WARN, _FAIL = "ok", "info", "warn", "FAIL"
 
@@ -45,13 +45,21 @@ def _check_torch(report: Report) -> None:
     report.add(_OK, "torch", f"{torch.__version__} (numpy {_dist_version('numpy')})")
     cuda = torch.cuda.is_available()
     build = f"torch built for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only torch"
-    report.add(_INFO, "CUDA", f"available, {torch.cuda.device_count()} device(s), {build}" if cuda
-               else f"not available ({build})")
+    report.add(
+        _INFO,
+        "CUDA",
+        f"available, {torch.cuda.device_count()} device(s), {build}"
+        if cuda
+        else f"not available ({build})",
+    )
     has_dist = dist.is_available()
     nccl = has_dist and cuda and dist.is_nccl_available()
     gloo = has_dist and dist.is_gloo_available()
-    report.add(_INFO, "NCCL", "available" if nccl else
-               "not available (needs CUDA and a torch built with NCCL)")
+    report.add(
+        _INFO,
+        "NCCL",
+        "available" if nccl else "not available (needs CUDA and a torch built with NCCL)",
+    )
     report.add(_INFO, "gloo", "available" if gloo else "not available in this torch build")
     report.nccl, report.gloo = nccl, gloo
 
@@ -69,14 +77,24 @@ def _check_knobs(report: Report) -> Optional[_config.Config]:
         report.add(_OK, "knobs", "none set; every knob has its default")
     for knob in set_knobs:
         var = next((v for v in (knob.env, knob.horovod) if v and v in os.environ), knob.env)
-        report.add(_OK, "knob set", f"{var}={os.environ.get(var, '')!r} -> {knob.field} = "
-                                    f"{getattr(cfg, knob.field)!r} (default {knob.default!r})")
+        report.add(
+            _OK,
+            "knob set",
+            f"{var}={os.environ.get(var, '')!r} -> {knob.field} = "
+            f"{getattr(cfg, knob.field)!r} (default {knob.default!r})",
+        )
     if cfg.backend == "nccl" and not report.nccl:
-        report.add(_FAIL, "knobs", "MPIDP_BACKEND=nccl, but NCCL is not available here; set "
-                                   "MPIDP_BACKEND=auto or mpi")
+        report.add(
+            _FAIL,
+            "knobs",
+            "MPIDP_BACKEND=nccl, but NCCL is not available here; set MPIDP_BACKEND=auto or mpi",
+        )
     if cfg.backend == "gloo" and not report.gloo:
-        report.add(_FAIL, "knobs", "MPIDP_BACKEND=gloo, but this torch has no gloo; set "
-                                   "MPIDP_BACKEND=auto or mpi")
+        report.add(
+            _FAIL,
+            "knobs",
+            "MPIDP_BACKEND=gloo, but this torch has no gloo; set MPIDP_BACKEND=auto or mpi",
+        )
     return cfg
 
 
@@ -86,28 +104,49 @@ def _check_mpi(report: Report, cfg) -> bool:
     try:
         from ..engine import mpi, mpi_library
     except Exception as exc:  # noqa: BLE001 - any failure to load MPI is the finding itself
-        report.add(_FAIL, "MPI", f"cannot load the MPI library: {type(exc).__name__}: {exc}. "
-                                 f"Install one (pip install 'mpidp[mpich]') or build mpi4py "
-                                 f"against your cluster's MPI")
+        report.add(
+            _FAIL,
+            "MPI",
+            f"cannot load the MPI library: {type(exc).__name__}: {exc}. "
+            f"Install one (pip install 'mpidp[mpich]') or build mpi4py "
+            f"against your cluster's MPI",
+        )
         return False
     version = " ".join(mpi.library_version().splitlines()[0].split())
     report.add(_OK, "MPI library", version)
     level = mpi.thread_level_name()
     if level in ("single", "funneled"):
-        report.add(_FAIL, "MPI thread level",
-                   f"{level!r} is too low: mpidp's engine thread needs at least 'serialized'. "
-                   f"Unset MPI4PY_RC_THREAD_LEVEL or set it to 'multiple'")
+        report.add(
+            _FAIL,
+            "MPI thread level",
+            f"{level!r} is too low: mpidp's engine thread needs at least 'serialized'. "
+            f"Unset MPI4PY_RC_THREAD_LEVEL or set it to 'multiple'",
+        )
         return False
-    report.add(_OK, "MPI thread level", level + ("" if level == "multiple" else
-                                                 " (enough for mpidp; 'multiple' lets the "
-                                                 "application call MPI beside it)"))
+    report.add(
+        _OK,
+        "MPI thread level",
+        level
+        + (
+            ""
+            if level == "multiple"
+            else " (enough for mpidp; 'multiple' lets the application call MPI beside it)"
+        ),
+    )
     aware = mpi_library.cuda_aware_support()
-    report.add(_INFO, "CUDA-aware MPI", {True: "yes", False: "no",
-                                         None: "unknown (the library does not say)"}[aware])
+    report.add(
+        _INFO,
+        "CUDA-aware MPI",
+        {True: "yes", False: "no", None: "unknown (the library does not say)"}[aware],
+    )
     if cfg is not None and cfg.cuda_aware_mpi == "1" and aware is False:
-        report.add(_FAIL, "CUDA-aware MPI", "MPIDP_CUDA_AWARE_MPI=1 forces device buffers, but "
-                                            "this MPI library reports no CUDA support; set it "
-                                            "to auto or 0")
+        report.add(
+            _FAIL,
+            "CUDA-aware MPI",
+            "MPIDP_CUDA_AWARE_MPI=1 forces device buffers, but "
+            "this MPI library reports no CUDA support; set it "
+            "to auto or 0",
+        )
     return True
 
 
@@ -128,16 +167,28 @@ def _smoke_test(report: Report, timeout: float) -> None:
     r, n = mpidp.rank(), mpidp.size()
     start = time.perf_counter()
     checks = (
-        ("allreduce", lambda: mpidp.allreduce_async(torch.full((4,), float(r + 1)), op=mpidp.Sum,
-                                                    name="mpidp.doctor.allreduce"),
-         lambda out: out.tolist() == [n * (n + 1) / 2] * 4),
+        (
+            "allreduce",
+            lambda: mpidp.allreduce_async(
+                torch.full((4,), float(r + 1)), op=mpidp.Sum, name="mpidp.doctor.allreduce"
+            ),
+            lambda out: out.tolist() == [n * (n + 1) / 2] * 4,
+        ),
         # Rank k sends k + 1 rows, so the gather also checks uneven first dimensions.
-        ("allgather", lambda: mpidp.allgather_async(torch.full((r + 1, 2), r, dtype=torch.int64),
-                                                    name="mpidp.doctor.allgather"),
-         lambda out: out[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]),
-        ("broadcast", lambda: mpidp.broadcast_async(torch.tensor([r, 7 * r]), n - 1,
-                                                    name="mpidp.doctor.broadcast"),
-         lambda out: out.tolist() == [n - 1, 7 * (n - 1)]),
+        (
+            "allgather",
+            lambda: mpidp.allgather_async(
+                torch.full((r + 1, 2), r, dtype=torch.int64), name="mpidp.doctor.allgather"
+            ),
+            lambda out: out[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)],
+        ),
+        (
+            "broadcast",
+            lambda: mpidp.broadcast_async(
+                torch.tensor([r, 7 * r]), n - 1, name="mpidp.doctor.broadcast"
+            ),
+            lambda out: out.tolist() == [n - 1, 7 * (n - 1)],
+        ),
     )
     failed = []
     for what, submit, good in checks:
@@ -150,8 +201,10 @@ def _smoke_test(report: Report, timeout: float) -> None:
     seconds = time.perf_counter() - start
     # Every rank's verdict, so rank 0 reports a failure seen elsewhere.
     try:
-        views = mpidp.synchronize(mpidp.allgather_async(
-            torch.tensor([len(failed)]), name="mpidp.doctor.verdict"), timeout=timeout).tolist()
+        views = mpidp.synchronize(
+            mpidp.allgather_async(torch.tensor([len(failed)]), name="mpidp.doctor.verdict"),
+            timeout=timeout,
+        ).tolist()
     except Exception as exc:  # noqa: BLE001
         views = None
         failed.append(f"verdict exchange failed on rank {r}: {type(exc).__name__}: {exc}")
@@ -161,8 +214,11 @@ def _smoke_test(report: Report, timeout: float) -> None:
     if bad:
         report.add(_FAIL, "smoke test", f"failed on rank(s) {bad} (see their output)")
     if not failed and not bad:
-        report.add(_OK, "smoke test", f"allreduce, allgather and broadcast correct on {n} ranks "
-                                      f"({seconds * 1e3:.1f} ms)")
+        report.add(
+            _OK,
+            "smoke test",
+            f"allreduce, allgather and broadcast correct on {n} ranks ({seconds * 1e3:.1f} ms)",
+        )
 
 
 def _check_world(report: Report, cfg, mpi_ok: bool, timeout: float) -> Optional[int]:
@@ -180,15 +236,25 @@ def _check_world(report: Report, cfg, mpi_ok: bool, timeout: float) -> Optional[
         return None
     try:
         r, n = mpidp.rank(), mpidp.size()
-        report.add(_OK, "world", f"{n} rank(s), {mpidp.local_size()} on this host, "
-                                 f"{mpidp.cross_size()} host(s)")
+        report.add(
+            _OK,
+            "world",
+            f"{n} rank(s), {mpidp.local_size()} on this host, {mpidp.cross_size()} host(s)",
+        )
         announced = _launcher_size()
         if n == 1 and announced and announced[1] > 1:
-            report.add(_FAIL, "world", f"size 1, but {announced[0]}={announced[1]}: each process "
-                                       f"runs alone (under Slurm use srun --mpi=pmi2)")
+            report.add(
+                _FAIL,
+                "world",
+                f"size 1, but {announced[0]}={announced[1]}: each process "
+                f"runs alone (under Slurm use srun --mpi=pmi2)",
+            )
         elif n == 1:
-            report.add(_INFO, "smoke test", "skipped: one rank (run under mpiexec -n 2 to test "
-                                            "the collectives)")
+            report.add(
+                _INFO,
+                "smoke test",
+                "skipped: one rank (run under mpiexec -n 2 to test the collectives)",
+            )
         if n > 1:
             _smoke_test(report, timeout)
         return r
@@ -206,8 +272,11 @@ def run(timeout: float = 60.0, out=None) -> int:
     import mpidp
 
     report = Report()
-    report.add(_OK, "mpidp", f"{mpidp.__version__} on Python {platform.python_version()} "
-                             f"({sys.executable})")
+    report.add(
+        _OK,
+        "mpidp",
+        f"{mpidp.__version__} on Python {platform.python_version()} ({sys.executable})",
+    )
     _check_torch(report)
     cfg = _check_knobs(report)
     mpi_ok = _check_mpi(report, cfg)

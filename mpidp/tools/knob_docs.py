@@ -4,7 +4,7 @@ import argparse
 import sys
 from typing import Iterable, Optional, Sequence
 
-from ..config import KNOBS, MiB, Knob
+from ..config import KNOBS, Knob, MiB
 
 BEGIN = "<!-- knobs:begin -->"
 END = "<!-- knobs:end -->"
@@ -33,11 +33,12 @@ def _cell(text: str) -> str:
 def render(knobs: Iterable[Knob] = KNOBS) -> str:
     """The markdown that goes between BEGIN and END: one table row per knob (variable, Horovod
     alias, init() keyword, default, what it does), ending in a blank line."""
-    lines = [f"<!-- generated from KNOBS in mpidp/config.py by `{COMMAND}`; "
-             "edit Config's fields -->",
-             "",
-             "| Variable | Horovod alias | `init()` keyword | Default | What it does |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"<!-- generated from KNOBS in mpidp/config.py by `{COMMAND}`; edit Config's fields -->",
+        "",
+        "| Variable | Horovod alias | `init()` keyword | Default | What it does |",
+        "|---|---|---|---|---|",
+    ]
     for k in knobs:
         alias = f"`{k.horovod}`" if k.horovod else ""
         doc = k.doc if k.must_agree else f"{k.doc} May differ between ranks."
@@ -99,8 +100,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{path}: knob table is current")
         return 0
     if args.check:
-        print(f"{path}: knob table differs from KNOBS; regenerate it with "
-              f"`python -m mpidp.tools.knob_docs --write {path}`", file=sys.stderr)
+        print(
+            f"{path}: knob table differs from KNOBS; regenerate it with "
+            f"`python -m mpidp.tools.knob_docs --write {path}`",
+            file=sys.stderr,
+        )
         return 1
     with open(path, "w", encoding="utf-8") as f:
         f.write(new)

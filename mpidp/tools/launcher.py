@@ -11,14 +11,18 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from . import launcher_flags as flags
 from .launcher_flags import UsageError, parse_hosts, read_hostfile
 
+
 class LaunchError(Exception):
     """No usable mpiexec here (exit code 1)."""
 
 
 def usage() -> str:
     """The --help text: every flag, its value and what it sets."""
-    lines = ["usage: mpidprun -np N [options] command [args...]",
-             "Runs the command on N ranks through mpiexec (MPICH or Open MPI, detected).", ""]
+    lines = [
+        "usage: mpidprun -np N [options] command [args...]",
+        "Runs the command on N ranks through mpiexec (MPICH or Open MPI, detected).",
+        "",
+    ]
     for names, _dest, _kind, metavar, text in flags.FLAGS:
         lines.append(f"  {', '.join(names) + (' ' + metavar if metavar else ''):<44} {text}")
     return "\n".join(lines)
@@ -28,8 +32,10 @@ def _number(flag: str, kind, text: str):
     try:
         value = kind(text)
     except ValueError:
-        raise UsageError(f"{flag} takes {'an integer' if kind is int else 'a number'}, not "
-                         f"{text!r}: write for example {flag} 2") from None
+        raise UsageError(
+            f"{flag} takes {'an integer' if kind is int else 'a number'}, not "
+            f"{text!r}: write for example {flag} 2"
+        ) from None
     if not value >= flags.MINIMUM.get(flag, 0):  # also catches nan
         raise UsageError(f"{flag} must be >= {flags.MINIMUM.get(flag, 0)}, not {text}")
     return value
@@ -40,21 +46,27 @@ def parse_args(argv: Sequence[str]) -> SimpleNamespace:
 
     Raises UsageError naming the offending flag. Sets `help`/`version` when asked; prints nothing.
     """
-    args = SimpleNamespace(**{f[1]: None for f in flags.FLAGS if f[1]}, command=[], help=False,
-                           version=False)
+    args = SimpleNamespace(
+        **{f[1]: None for f in flags.FLAGS if f[1]}, command=[], help=False, version=False
+    )
     args.verbose = args.check_build = False
     i = 0
     while i < len(argv):
         token = argv[i]
         if token == "--" or not token.startswith("-") or token == "-":
-            args.command = list(argv[i + (token == "--"):])
+            args.command = list(argv[i + (token == "--") :])
             break
         name, eq, value = token.partition("=")
         if name not in flags.BY_NAME:
-            raise UsageError(f"unknown option {name!r}: " + flags.UNSUPPORTED.get(
-                name, "mpidprun takes horovodrun's options (mpidprun --help lists them); "
-                      "mpiexec's own options go in --mpi-args='...'; the command starts at the "
-                      "first word that is not an option"))
+            raise UsageError(
+                f"unknown option {name!r}: "
+                + flags.UNSUPPORTED.get(
+                    name,
+                    "mpidprun takes horovodrun's options (mpidprun --help lists them); "
+                    "mpiexec's own options go in --mpi-args='...'; the command starts at the "
+                    "first word that is not an option",
+                )
+            )
         _names, dest, kind, metavar, _help = flags.BY_NAME[name]
         if kind in ("help", "version"):
             setattr(args, kind, True)
@@ -74,19 +86,28 @@ def parse_args(argv: Sequence[str]) -> SimpleNamespace:
     if args.check_build:
         return args
     if args.num_proc is None:
-        raise UsageError("-np is required: write -np N for N ranks, e.g. mpidprun -np 2 python "
-                         "train.py")
+        raise UsageError(
+            "-np is required: write -np N for N ranks, e.g. mpidprun -np 2 python train.py"
+        )
     checks = (
-        (not args.command, "no command to run: write it after the options, e.g. mpidprun -np 2 "
-                           "python train.py"),
-        (args.hosts is not None and args.hostfile is not None,
-         "-H and --hostfile both name the hosts: give one of them"),
-        (args.no_stall_check and (args.stall_warning, args.stall_shutdown) != (None, None),
-         "--no-stall-check turns the stall check off, so --stall-check-*-time-seconds with it "
-         "mean nothing: keep one or the other"),
-        (args.log_level is not None and args.log_level.upper() not in flags.LOG_LEVELS,
-         f"--log-level {args.log_level!r} is not a level: write one of "
-         f"{', '.join(flags.LOG_LEVELS)}"),
+        (
+            not args.command,
+            "no command to run: write it after the options, e.g. mpidprun -np 2 python train.py",
+        ),
+        (
+            args.hosts is not None and args.hostfile is not None,
+            "-H and --hostfile both name the hosts: give one of them",
+        ),
+        (
+            args.no_stall_check and (args.stall_warning, args.stall_shutdown) != (None, None),
+            "--no-stall-check turns the stall check off, so --stall-check-*-time-seconds with it "
+            "mean nothing: keep one or the other",
+        ),
+        (
+            args.log_level is not None and args.log_level.upper() not in flags.LOG_LEVELS,
+            f"--log-level {args.log_level!r} is not a level: write one of "
+            f"{', '.join(flags.LOG_LEVELS)}",
+        ),
     )
     for bad, message in checks:
         if bad:
@@ -108,8 +129,9 @@ def knob_env(args) -> Dict[str, str]:
         try:
             knob.parse(text)
         except ValueError as exc:
-            raise UsageError(f"{flags.NAME_OF[dest]} {value}: {knob.env}={text!r} is not valid "
-                             f"for mpidp: {exc}") from None
+            raise UsageError(
+                f"{flags.NAME_OF[dest]} {value}: {knob.env}={text!r} is not valid for mpidp: {exc}"
+            ) from None
         env[knob.env] = text
     return env
 
@@ -120,9 +142,13 @@ _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH")
 _FORWARD_PREFIXES = ("MPIDP_", "HOROVOD_")
 
 
-def build_command(args, flavor: str, mpiexec: str = "mpiexec",
-                  environ: Optional[Mapping[str, str]] = None,
-                  as_root: bool = False) -> Tuple[List[str], Dict[str, str]]:
+def build_command(
+    args,
+    flavor: str,
+    mpiexec: str = "mpiexec",
+    environ: Optional[Mapping[str, str]] = None,
+    as_root: bool = False,
+) -> Tuple[List[str], Dict[str, str]]:
     """The mpiexec argv for parsed `args`, and variables to add to mpiexec's own environment.
 
     flavor: "mpich" (hydra: -n, -hosts, -genv) or "openmpi" (-np, -H, -x). environ: the
@@ -130,14 +156,21 @@ def build_command(args, flavor: str, mpiexec: str = "mpiexec",
     as horovodrun does.
     """
     environ = os.environ if environ is None else environ
-    hosts = (parse_hosts(args.hosts) if args.hosts is not None else
-             read_hostfile(args.hostfile) if args.hostfile is not None else None)
+    hosts = (
+        parse_hosts(args.hosts)
+        if args.hosts is not None
+        else read_hostfile(args.hostfile)
+        if args.hostfile is not None
+        else None
+    )
     if hosts and sum(slots for _, slots in hosts) < args.num_proc:
         where = "-H" if args.hosts is not None else f"--hostfile {args.hostfile}"
-        raise UsageError(f"-np {args.num_proc} asks for more ranks than the "
-                         f"{sum(slots for _, slots in hosts)} slots {where} gives "
-                         f"({','.join(f'{h}:{s}' for h, s in hosts)}); give more slots or "
-                         f"fewer ranks (horovodrun refuses this too)")
+        raise UsageError(
+            f"-np {args.num_proc} asks for more ranks than the "
+            f"{sum(slots for _, slots in hosts)} slots {where} gives "
+            f"({','.join(f'{h}:{s}' for h, s in hosts)}); give more slots or "
+            f"fewer ranks (horovodrun refuses this too)"
+        )
     rank_env, launch_env = knob_env(args), {}
     ssh = f"-o ConnectTimeout={args.start_timeout}" if args.start_timeout else ""
     if flavor == "mpich":
@@ -146,17 +179,31 @@ def build_command(args, flavor: str, mpiexec: str = "mpiexec",
         cmd += [a for name, value in rank_env.items() for a in ("-genv", name, value)]
         if ssh:  # hydra appends this to each ssh command; keep what the user set there already
             launch_env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(
-                filter(None, (environ.get("HYDRA_LAUNCHER_EXTRA_ARGS"), ssh)))
+                filter(None, (environ.get("HYDRA_LAUNCHER_EXTRA_ARGS"), ssh))
+            )
     elif flavor == "openmpi":
         # Without -H, Open MPI allows one rank per core; horovodrun gives localhost N slots.
         spec = ",".join(f"{h}:{s}" for h, s in hosts or [("localhost", args.num_proc)])
-        cmd = [mpiexec, "-np", str(args.num_proc), "-H", spec, "--bind-to", "none",
-               "--map-by", "slot"]
+        cmd = [
+            mpiexec,
+            "-np",
+            str(args.num_proc),
+            "-H",
+            spec,
+            "--bind-to",
+            "none",
+            "--map-by",
+            "slot",
+        ]
         cmd += ["--allow-run-as-root"] if as_root else []
         cmd += ["--mca", "plm_rsh_args", ssh] if ssh else []
         cmd += [a for name, value in rank_env.items() for a in ("-x", f"{name}={value}")]
-        cmd += [a for name in sorted(environ) if name not in rank_env and
-                (name in _FORWARD or name.startswith(_FORWARD_PREFIXES)) for a in ("-x", name)]
+        cmd += [
+            a
+            for name in sorted(environ)
+            if name not in rank_env and (name in _FORWARD or name.startswith(_FORWARD_PREFIXES))
+            for a in ("-x", name)
+        ]
     else:
         raise ValueError(f"unknown MPI flavor {flavor!r}: expected 'mpich' or 'openmpi'")
     try:
@@ -173,13 +220,15 @@ def find_mpiexec(environ: Optional[Mapping[str, str]] = None) -> str:
         return beside
     found = shutil.which("mpiexec", path=(os.environ if environ is None else environ).get("PATH"))
     if not found:
-        raise LaunchError(f"no mpiexec next to {sys.executable} or on PATH: pip install "
-                          f"'mpidp[mpich]', or put your MPI's bin/ on PATH")
+        raise LaunchError(
+            f"no mpiexec next to {sys.executable} or on PATH: pip install "
+            f"'mpidp[mpich]', or put your MPI's bin/ on PATH"
+        )
     return found
 
 
 def flavor_of(version_text: str) -> Optional[str]:
-    """"mpich" or "openmpi" from `mpiexec --version` output; None if it is neither."""
+    """ "mpich" or "openmpi" from `mpiexec --version` output; None if it is neither."""
     if "Open MPI" in version_text or "OpenRTE" in version_text:
         return "openmpi"
     if any(mark in version_text for mark in ("HYDRA", "MPICH", "Intel(R) MPI")):
@@ -190,15 +239,22 @@ def flavor_of(version_text: str) -> Optional[str]:
 def detect_flavor(mpiexec: str) -> str:
     """Run `mpiexec --version` and say which launcher it is; LaunchError if unknown."""
     try:
-        proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                              timeout=60, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [mpiexec, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"cannot run {mpiexec} --version: {exc}") from None
     text = proc.stdout + proc.stderr
     flavor = flavor_of(text)
     if flavor is None:
-        raise LaunchError(f"{mpiexec} is neither MPICH's nor Open MPI's mpiexec (--version "
-                          f"says {text.strip()[:200]!r}); launch with it directly")
+        raise LaunchError(
+            f"{mpiexec} is neither MPICH's nor Open MPI's mpiexec (--version "
+            f"says {text.strip()[:200]!r}); launch with it directly"
+        )
     return flavor
 
 
@@ -211,6 +267,7 @@ def check_build() -> str:
 
     def box(on):
         return "[X]" if on else "[ ]"
+
     try:
         nccl, gloo = topology.nccl_built(), topology.gloo_built()  # these load the MPI library
         mpi, mpi_note = topology.mpi_built(), ""
@@ -223,19 +280,36 @@ def check_build() -> str:
     except LaunchError as exc:
         launcher = f"none usable: {exc}"
     # Negotiation always runs over MPI, so gloo is a data path here, never a controller.
-    return "\n".join([
-        f"mpidp v{__version__}:", "", "Available Frameworks:", "    [ ] TensorFlow",
-        f"    [X] PyTorch ({torch.__version__})", "    [ ] MXNet", "",
-        "Available Controllers:", f"    {box(mpi)} MPI{mpi_note}", "    [ ] Gloo", "",
-        "Available Tensor Operations:", f"    {box(nccl)} NCCL",
-        f"    {box(topology.ddl_built())} DDL", f"    {box(topology.ccl_built())} CCL",
-        f"    {box(mpi)} MPI", f"    {box(gloo)} Gloo", "", f"Launcher: {launcher}"])
+    return "\n".join(
+        [
+            f"mpidp v{__version__}:",
+            "",
+            "Available Frameworks:",
+            "    [ ] TensorFlow",
+            f"    [X] PyTorch ({torch.__version__})",
+            "    [ ] MXNet",
+            "",
+            "Available Controllers:",
+            f"    {box(mpi)} MPI{mpi_note}",
+            "    [ ] Gloo",
+            "",
+            "Available Tensor Operations:",
+            f"    {box(nccl)} NCCL",
+            f"    {box(topology.ddl_built())} DDL",
+            f"    {box(topology.ccl_built())} CCL",
+            f"    {box(mpi)} MPI",
+            f"    {box(gloo)} Gloo",
+            "",
+            f"Launcher: {launcher}",
+        ]
+    )
 
 
 def format_command(cmd: Sequence[str], launch_env: Mapping[str, str]) -> str:
     """One shell line that runs `cmd` with `launch_env` added: what --verbose prints."""
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in launch_env.items()] +
-                    [shlex.quote(a) for a in cmd])
+    return " ".join(
+        [f"{k}={shlex.quote(v)}" for k, v in launch_env.items()] + [shlex.quote(a) for a in cmd]
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -248,12 +322,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else list(argv))
         if args.help or args.version or args.check_build:
             from .. import __version__
-            print(usage() if args.help else check_build() if args.check_build else
-                  f"mpidprun (mpidp) {__version__}")
+
+            print(
+                usage()
+                if args.help
+                else check_build()
+                if args.check_build
+                else f"mpidprun (mpidp) {__version__}"
+            )
             return 0
         mpiexec = find_mpiexec()
-        cmd, launch_env = build_command(args, detect_flavor(mpiexec), mpiexec,
-                                        as_root=os.geteuid() == 0)
+        cmd, launch_env = build_command(
+            args, detect_flavor(mpiexec), mpiexec, as_root=os.geteuid() == 0
+        )
     except (UsageError, LaunchError) as exc:
         print(f"mpidprun: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1

@@ -10,5 +10,4 @@ from mpidp import __all__, __version__  # noqa: F401
 
 # After the star import, so that these names are the submodules below (which hold the same
 # objects) rather than mpidp's modules of the same names.
-from . import (compression, elastic, functions, mpi_ops, optimizer,  # noqa: E402,F401
-               sync_batch_norm)
+from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm  # noqa: E402,F401

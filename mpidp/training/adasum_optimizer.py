@@ -23,8 +23,8 @@ mpidp's optimizer is (gradient buckets, hooks after accumulation):
 import torch
 
 from .. import ops
-from .optimizer import DistributedOptimizer
 from ..runtime.process_sets import member_of
+from .optimizer import DistributedOptimizer
 
 
 class AdasumOptimizer(DistributedOptimizer):
@@ -34,15 +34,17 @@ class AdasumOptimizer(DistributedOptimizer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._deltas = not self._outside and \
-            member_of(self._process_set, "DistributedOptimizer")[1].size > 1
+        self._deltas = (
+            not self._outside and member_of(self._process_set, "DistributedOptimizer")[1].size > 1
+        )
         self._starts = {}  # parameter -> its value before the local step (Horovod's "start")
 
     def _start(self, p) -> torch.Tensor:
         start = self._starts.get(p)
         if start is None:
-            start = self._starts[p] = torch.empty_like(p, memory_format=torch.contiguous_format,
-                                                       requires_grad=False)
+            start = self._starts[p] = torch.empty_like(
+                p, memory_format=torch.contiguous_format, requires_grad=False
+            )
         return start
 
     def _local_step(self, params) -> None:
@@ -78,8 +80,9 @@ class AdasumOptimizer(DistributedOptimizer):
             wires.append(wire)
             ctxs.append(ctx)
         bucket.dense, bucket.sparse, bucket.wires, bucket.ctxs = params, [], wires, ctxs
-        bucket.handle = ops.grouped_allreduce_async_(wires, name=bucket.name, op=self._op,
-                                                     process_set=self._process_set)
+        bucket.handle = ops.grouped_allreduce_async_(
+            wires, name=bucket.name, op=self._op, process_set=self._process_set
+        )
 
     @property
     def reduces_gradients(self) -> bool:
@@ -96,11 +99,13 @@ class AdasumOptimizer(DistributedOptimizer):
         """Refused with Adasum on more than one rank, as in Horovod (the step has already run
         on the local gradients when they were ready); otherwise as DistributedOptimizer's."""
         if self._deltas:
-            raise RuntimeError("DistributedOptimizer(op=Adasum): skip_synchronize() is not "
-                               "supported, as in Horovod: the wrapped optimizer steps on each "
-                               "rank's own gradients as soon as they are ready and the updates "
-                               "are reduced, so there is no reduced gradient to modify before "
-                               "step(); call step() alone")
+            raise RuntimeError(
+                "DistributedOptimizer(op=Adasum): skip_synchronize() is not "
+                "supported, as in Horovod: the wrapped optimizer steps on each "
+                "rank's own gradients as soon as they are ready and the updates "
+                "are reduced, so there is no reduced gradient to modify before "
+                "step(); call step() alone"
+            )
         return super().skip_synchronize()
 
     def step(self, closure=None):

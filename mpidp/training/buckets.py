@@ -17,25 +17,33 @@ def named(optimizer, named_parameters) -> Dict[torch.nn.Parameter, str]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         # Horovod's scheme: positions in the optimizer's groups, identical on every rank.
-        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
-                for j, p in enumerate(group["params"])}
+        return {
+            p: f"allreduce.noname.{i}.{j}"
+            for i, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        }
     named = list(named_parameters)
     names = [n for n, _ in named]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
-        raise ValueError(f"DistributedOptimizer: named_parameters has duplicate names {dups}; "
-                         f"names must be unique (pass model.named_parameters())")
+        raise ValueError(
+            f"DistributedOptimizer: named_parameters has duplicate names {dups}; "
+            f"names must be unique (pass model.named_parameters())"
+        )
     by_param = {p: n for n, p in named}
     missing = [i for i, p in enumerate(params) if p not in by_param]
     if missing:
-        raise ValueError(f"DistributedOptimizer: named_parameters does not cover every parameter "
-                         f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
-                         f"the named_parameters of the whole model the optimizer was built on")
+        raise ValueError(
+            f"DistributedOptimizer: named_parameters does not cover every parameter "
+            f"of the optimizer ({len(missing)} of {len(params)} have no name); pass "
+            f"the named_parameters of the whole model the optimizer was built on"
+        )
     return {p: by_param[p] for p in params}
 
 
-def claim(owner, set_id: int, names: Dict[torch.nn.Parameter, str]) -> Dict[torch.nn.Parameter,
-                                                                             str]:
+def claim(
+    owner, set_id: int, names: Dict[torch.nn.Parameter, str]
+) -> Dict[torch.nn.Parameter, str]:
     """`names` for `owner`'s gradients, or, when another live optimizer on the same process set
     uses one of them, all prefixed `opt{k}.`: two optimizers' buckets may be in flight at once
     (one backward for both, as in a GAN), and names must differ among ops in flight. Horovod's
@@ -73,13 +81,26 @@ def _taken(set_id: int) -> set:
 class Bucket:
     """Parameters whose gradients are reduced as one op, the same on every rank."""
 
-    __slots__ = ("name", "params", "ready", "handle", "wires", "ctxs", "request", "cache_key",
-                 "dtype", "shapes", "dense", "sparse", "submitted")
+    __slots__ = (
+        "name",
+        "params",
+        "ready",
+        "handle",
+        "wires",
+        "ctxs",
+        "request",
+        "cache_key",
+        "dtype",
+        "shapes",
+        "dense",
+        "sparse",
+        "submitted",
+    )
 
     def __init__(self, name: str, params: List[torch.nn.Parameter]):
         self.name = name
         self.params = params
-        self.ready = 0          # parameters whose gradient is ready this step
+        self.ready = 0  # parameters whose gradient is ready this step
         self.handle: Optional[int] = None  # the dense op while in flight
         self.submitted = False  # this step's gradients were handed to the engine
         self.dense: List[torch.nn.Parameter] = []  # submitted as the bucket op (wires, ctxs)
@@ -102,13 +123,23 @@ class Bucket:
         the gradients still fit it (a parameter resized in place, as pruning does, needs a new
         one); a bucket of several dtypes always goes the checked way."""
         req = self.request
-        if keep and req is not None and all(w.dtype is self.dtype and w.shape == shape
-                                            for w, shape in zip(wires, self.shapes)):
+        if (
+            keep
+            and req is not None
+            and all(
+                w.dtype is self.dtype and w.shape == shape for w, shape in zip(wires, self.shapes)
+            )
+        ):
             self.handle = ops.bucket_allreduce_async_(req, wires, process_set, self.cache_key)
             return
         self.handle = ops.grouped_allreduce_async_(
-            wires, name=self.name, op=op, prescale_factor=pre, postscale_factor=post,
-            process_set=process_set)
+            wires,
+            name=self.name,
+            op=op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=process_set,
+        )
         members = world.state().handles.members(self.handle)
         if keep and len(members) == 1:
             self.request, self.cache_key = members[0].request, members[0].cache_key
@@ -161,8 +192,9 @@ def group_ids(names, num_groups, groups) -> Dict[torch.nn.Parameter, int]:
         for gid, group in enumerate(groups):
             for p in group:
                 if p not in names:
-                    raise ValueError("DistributedOptimizer: groups holds a parameter the "
-                                     "optimizer does not have")
+                    raise ValueError(
+                        "DistributedOptimizer: groups holds a parameter the optimizer does not have"
+                    )
                 mapping[p] = gid
         return mapping
     if num_groups and num_groups > 0:

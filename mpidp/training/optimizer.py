@@ -6,18 +6,16 @@ from typing import Dict
 
 import torch
 
-from ..ops.eager import eager
-from ..ops import op_args
 from .. import ops
-from . import overlap, pass_guard, wrapped
-from ..runtime import world
+from ..ops import Average, op_args
+from ..ops.compression import Compression
+from ..ops.eager import eager
 from ..ops.sparse import SparseGradients, sparse_allreduce_async
+from ..runtime import world
+from ..runtime.process_sets import is_outside, member_of
+from . import overlap, pass_guard, wrapped
 from .buckets import Bucket, claim, group_ids, make_buckets, named, release
 from .step_state import Phase, StepState
-from ..runtime.process_sets import is_outside, member_of
-from ..ops.compression import Compression
-from ..ops import Average
-
 
 _created = itertools.count()
 
@@ -41,24 +39,38 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         op = kwargs.get("op", args[4] if len(args) > 4 else None)
         if cls is DistributedOptimizer and isinstance(op, int):
             cls = DistributedOptimizer.variants.get(op, cls)
-        return super().__new__(wrapped.mixed(cls, kwargs.get("optimizer",
-                                                             args[0] if args else None)))
+        return super().__new__(
+            wrapped.mixed(cls, kwargs.get("optimizer", args[0] if args else None))
+        )
 
-    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step: int = 1, op=Average,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                 sparse_as_dense: bool = False, process_set=None):
+    def __init__(
+        self,
+        optimizer,
+        named_parameters=None,
+        compression=Compression.none,
+        backward_passes_per_step: int = 1,
+        op=Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups=None,
+        sparse_as_dense: bool = False,
+        process_set=None,
+    ):
         # torch.optim.Optimizer.__init__ is deliberately not called: the state lives in the
         # wrapped optimizer, and attribute access falls through to it.
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"DistributedOptimizer wraps a torch.optim.Optimizer, not "
+                f"{type(optimizer).__name__}"
+            )
         if isinstance(optimizer, DistributedOptimizer):
             # Two wrappers would hook every parameter twice, and the second submission of a
             # gradient would be refused as "already in flight", which hides the real mistake.
-            raise ValueError("DistributedOptimizer: this optimizer is already a "
-                             "DistributedOptimizer; wrap the plain torch optimizer once (pass "
-                             "`opt` rather than `DistributedOptimizer(opt)`)")
+            raise ValueError(
+                "DistributedOptimizer: this optimizer is already a "
+                "DistributedOptimizer; wrap the plain torch optimizer once (pass "
+                "`opt` rather than `DistributedOptimizer(opt)`)"
+            )
         # A rank outside the set does what Horovod does there: no hooks, synchronize() does
         # nothing, step() applies the local gradients. Any other bad set is refused here.
         self._outside = is_outside(process_set)
@@ -81,13 +93,15 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._pre = 1.0 / gradient_predivide_factor
         self._post_factor = gradient_predivide_factor
         # Only this class's own submission reduces sparse gradients as sparse ops.
-        self._sparse_ops = not (sparse_as_dense or self._outside or
-                                type(self)._submit is not DistributedOptimizer._submit)
+        self._sparse_ops = not (
+            sparse_as_dense
+            or self._outside
+            or type(self)._submit is not DistributedOptimizer._submit
+        )
         self._step = StepState()
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._seq = next(_created)  # the same on every rank: they create optimizers alike
-        self._in_backward = self.completes_in_backward and \
-            world.state().config.reduce_in_backward
+        self._in_backward = self.completes_in_backward and world.state().config.reduce_in_backward
         self._hooks: list = []
         self._hook_id: Dict[torch.Tensor, int] = {}  # each trained parameter's hook handle id
         self._guards = pass_guard.Guards([], self._before_accumulation)
@@ -140,11 +154,13 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         trained = self._trained = [p for p in live if p.requires_grad]
         self._frozen = [p for p in live if not p.requires_grad]
         groups = group_ids(self._names, *self._grouping)
-        self._buckets = make_buckets(trained, self._names, groups,
-                                     world.state().config.bucket_bytes)
+        self._buckets = make_buckets(
+            trained, self._names, groups, world.state().config.bucket_bytes
+        )
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook))
-                       for p in trained]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(pass_guard.weak(self._hook)) for p in trained
+        ]
         self._hook_id = {p: h.id for p, h in zip(trained, self._hooks)}
         self._guards.reset(trained)
 
@@ -170,31 +186,39 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         without a name in `named_parameters` (a module added after wrapping) is named by its
         position, as Horovod names them all without `named_parameters`."""
         if self.in_flight() or self._step.phase is not Phase.IDLE:
-            raise ValueError("DistributedOptimizer.add_param_group() was called during a step "
-                             "(after backward, before step() or synchronize()); add parameter "
-                             "groups between steps")
+            raise ValueError(
+                "DistributedOptimizer.add_param_group() was called during a step "
+                "(after backward, before step() or synchronize()); add parameter "
+                "groups between steps"
+            )
         self._opt.add_param_group(param_group)
         if self._named_list is not None:
             known = {p for _, p in self._named_list}
             index = len(self._opt.param_groups) - 1
-            self._named_list += [(f"allreduce.noname.{index}.{j}", p) for j, p in
-                                 enumerate(self._opt.param_groups[-1]["params"])
-                                 if p not in known]
+            self._named_list += [
+                (f"allreduce.noname.{index}.{j}", p)
+                for j, p in enumerate(self._opt.param_groups[-1]["params"])
+                if p not in known
+            ]
         self._layout()
 
     def _follow_requires_grad(self) -> None:
         """A new layout if, before any gradient of this step, the script has frozen or unfrozen
         parameters since the last (the same way on every rank, as the program is the same)."""
-        if self._step.phase is Phase.IDLE and not self.in_flight() and (
+        if (
+            self._step.phase is Phase.IDLE
+            and not self.in_flight()
+            and (
                 any(p.requires_grad for p in self._frozen)
-                or not all(p.requires_grad for p in self._trained)):
+                or not all(p.requires_grad for p in self._trained)
+            )
+        ):
             self._layout()
 
     # ---- during backward ----
 
     def _too_many_passes(self, p) -> RuntimeError:
-        return pass_guard.too_many_passes(self._names[p], self._step.passes_per_step,
-                                          self._overlap)
+        return pass_guard.too_many_passes(self._names[p], self._step.passes_per_step, self._overlap)
 
     def _before_accumulation(self, p, grad) -> None:
         # Nothing is in flight once the step completed (torch.autograd.grad after backward
@@ -213,16 +237,19 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         if step.phase is Phase.IDLE:  # the step's first gradient
             self._follow_requires_grad()
         if self._in_backward and not step.end_queued:  # this backward pass's first
-            step.end_queued = pass_guard.at_backward_end(self._seq,
-                                                         pass_guard.weak(self._backward_ended))
+            step.end_queued = pass_guard.at_backward_end(
+                self._seq, pass_guard.weak(self._backward_ended)
+            )
         count = step.count(p)
         if count < step.passes_per_step:
             return
         bucket = self._bucket_of.get(p)
         if bucket is None:  # torch handed on another tensor: an earlier hook returned it
-            raise RuntimeError("a post-accumulate-grad hook registered before "
-                               "DistributedOptimizer's returned a value; such hooks must "
-                               "return None")
+            raise RuntimeError(
+                "a post-accumulate-grad hook registered before "
+                "DistributedOptimizer's returned a value; such hooks must "
+                "return None"
+            )
         if count > step.passes_per_step or bucket.submitted:
             raise self._too_many_passes(p)
         bucket.ready += 1
@@ -258,9 +285,18 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             dense = bucket.params
         # Horovod reduces sparse gradients by gathering every rank's indices and values; the
         # op is Average or Sum as asked, with no compression (there is no dense buffer to cast).
-        bucket.sparse = [(p, sparse_allreduce_async(
-            p.grad, name=f"{self._names[p]}.sparse", op=self._op, process_set=self._process_set))
-            for p in sparse]
+        bucket.sparse = [
+            (
+                p,
+                sparse_allreduce_async(
+                    p.grad,
+                    name=f"{self._names[p]}.sparse",
+                    op=self._op,
+                    process_set=self._process_set,
+                ),
+            )
+            for p in sparse
+        ]
         bucket.dense = dense
         if not dense:
             bucket.wires = bucket.ctxs = ()
@@ -285,8 +321,9 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         whatever parameters each one's loss reached. A backward nested in another (reentrant
         checkpointing) is part of the outer one, whose end counts."""
         step = self._step
-        step.end_queued = pass_guard.after_outer_node(self._seq,
-                                                      pass_guard.weak(self._backward_ended))
+        step.end_queued = pass_guard.after_outer_node(
+            self._seq, pass_guard.weak(self._backward_ended)
+        )
         if step.end_queued:  # nested: the outer pass's end counts
             return
         if step.backward_ended():
@@ -359,10 +396,13 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         if self._step.should_sync:
             if self._step.warn_double_sync(self.in_flight()):
                 # Horovod's words first: scripts and tests match on them.
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
-                              "after optimizer.synchronize(): gradients are reduced a second "
-                              "time; step inside `with optimizer.skip_synchronize():`",
-                              UserWarning, stacklevel=2)
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() "
+                    "after optimizer.synchronize(): gradients are reduced a second "
+                    "time; step inside `with optimizer.skip_synchronize():`",
+                    UserWarning,
+                    stacklevel=2,
+                )
             if closure is None or self.in_flight():
                 self.synchronize()
             if closure is not None:
@@ -374,6 +414,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         """`closure` whose gradients (synchronize()) and returned loss are averaged over the
         set, so that an optimizer calling it several times (LBFGS) decides alike on every rank.
         Synchronization: synchronize()'s, then one allreduce of the loss."""
+
         def call():
             loss = closure()
             self.synchronize()
@@ -381,11 +422,13 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             if loss is None:
                 return None
             value = torch.as_tensor(loss).detach().to(torch.float64).reshape(1)
-            avg = ops.synchronize(ops.allreduce_async(value, name="mpidp.closure_loss",
-                                                      process_set=self._process_set))
+            avg = ops.synchronize(
+                ops.allreduce_async(value, name="mpidp.closure_loss", process_set=self._process_set)
+            )
             if isinstance(loss, torch.Tensor):
                 return avg.to(loss.dtype).reshape(loss.shape)
             return avg.item()  # a float, whatever number type the closure returned
+
         return call
 
     def zero_grad(self, set_to_none: bool = True):
@@ -394,8 +437,10 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         if self._step.phase is Phase.REDUCED:
             self._end_step()
         if self.in_flight():
-            raise ValueError("optimizer.zero_grad() was called after loss.backward() but "
-                             "before optimizer.step() or optimizer.synchronize(); gradients "
-                             "are being reduced. Call step() (or synchronize()) first. "
-                             + pass_guard.OTHER_BACKWARD)
+            raise ValueError(
+                "optimizer.zero_grad() was called after loss.backward() but "
+                "before optimizer.step() or optimizer.synchronize(); gradients "
+                "are being reduced. Call step() (or synchronize()) first. "
+                + pass_guard.OTHER_BACKWARD
+            )
         return self._opt.zero_grad(set_to_none=set_to_none)

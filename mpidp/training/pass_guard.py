@@ -10,21 +10,27 @@ import torch
 from ..ops.eager import compiling
 
 # Both refusals' remedy when the pass came from another optimizer's loss (a GAN).
-OTHER_BACKWARD = ("If the pass was another optimizer's (a GAN generator's loss reaching the "
-                  "discriminator), run that backward inside `with optimizer.no_sync():` of this "
-                  "optimizer, or with requires_grad=False on these parameters")
+OTHER_BACKWARD = (
+    "If the pass was another optimizer's (a GAN generator's loss reaching the "
+    "discriminator), run that backward inside `with optimizer.no_sync():` of this "
+    "optimizer, or with requires_grad=False on these parameters"
+)
 
 
 def too_many_passes(name: str, passes: int, overlapping: bool) -> RuntimeError:
     """The error for parameter `name` getting a gradient after its `passes` of this step."""
-    where = ("was submitted for reduction" if overlapping else
-             "was complete (it has been added to .grad all the same)")
+    where = (
+        "was submitted for reduction"
+        if overlapping
+        else "was complete (it has been added to .grad all the same)"
+    )
     return RuntimeError(
         f"DistributedOptimizer: parameter {name!r} got a gradient from another backward pass "
         f"after its gradient {where} (after {passes} backward pass(es) and before "
         f"optimizer.step()). Call optimizer.step() or optimizer.synchronize() before the next "
         f"backward pass, or accumulate passes with DistributedOptimizer("
-        f"backward_passes_per_step=N). {OTHER_BACKWARD}")
+        f"backward_passes_per_step=N). {OTHER_BACKWARD}"
+    )
 
 
 # Graph task (a backward pass) -> (creation number, callback) of each optimizer it reached. A
@@ -82,6 +88,7 @@ def weak(method: Callable) -> Callable:
     def call(*args):
         target = ref()
         return None if target is None else target(*args)
+
     return call
 
 
@@ -101,8 +108,7 @@ class Guards:
         """Register the tensor hooks (`check(p, grad)` each) while overlapping; else remove."""
         self.on = bool(overlapping)
         if self.on and not self.handles:
-            self.handles = [p.register_hook(functools.partial(self.check, p))
-                            for p in self.params]
+            self.handles = [p.register_hook(functools.partial(self.check, p)) for p in self.params]
         elif not self.on:
             for handle in self.handles:
                 handle.remove()

@@ -33,14 +33,19 @@ class StepState:
         self._warned_double_sync = False
 
     def __repr__(self):
-        return (f"StepState({self.phase.name}, {len(self.passes)} parameters counted, "
-                f"{self.backwards} backward passes ended, synchronized={self.synchronized})")
+        return (
+            f"StepState({self.phase.name}, {len(self.passes)} parameters counted, "
+            f"{self.backwards} backward passes ended, synchronized={self.synchronized})"
+        )
 
     def one_too_many(self, p) -> bool:
         """Whether a gradient for `p` now would be one pass too many for this step (none is
         once the step was reduced: a later pass begins the next)."""
-        return (self.counting and self.phase is not Phase.REDUCED
-                and self.passes.get(p, 0) >= self.passes_per_step)
+        return (
+            self.counting
+            and self.phase is not Phase.REDUCED
+            and self.passes.get(p, 0) >= self.passes_per_step
+        )
 
     def count(self, p) -> int:
         """A backward pass gave `p` a gradient: how many it has this step."""

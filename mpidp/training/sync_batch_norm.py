@@ -7,8 +7,8 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import ops
-from ..runtime import world
 from ..log import logger
+from ..runtime import world
 
 # Construction order numbers every SyncBatchNorm; ranks that build the same model in the same order
 # give each layer the same collective name, so its ops match across ranks by name.
@@ -50,14 +50,16 @@ def _global_stats(x: torch.Tensor, name: str):
     if count:
         var, mean = torch.var_mean(x, dim=_reduce_dims(x.dim()), correction=0)
         slots[rank, 0] = count
-        slots[rank, 1:channels + 1] = mean.to("cpu", torch.float64)
-        slots[rank, channels + 1:] = var.to("cpu", torch.float64) * count
+        slots[rank, 1 : channels + 1] = mean.to("cpu", torch.float64)
+        slots[rank, channels + 1 :] = var.to("cpu", torch.float64) * count
     ops.synchronize(ops.allreduce_async_(slots, name=name, op=ops.Sum))
-    counts, means, m2s = slots[:, :1], slots[:, 1:channels + 1], slots[:, channels + 1:]
+    counts, means, m2s = slots[:, :1], slots[:, 1 : channels + 1], slots[:, channels + 1 :]
     total = float(counts.sum())
     if total <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got {int(total)} "
-                         f"over all ranks (input size {tuple(x.shape)} on this rank)")
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got {int(total)} "
+            f"over all ranks (input size {tuple(x.shape)} on this rank)"
+        )
     mean = (counts * means).sum(0) / total
     m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
     return total, mean, m2
@@ -103,8 +105,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sums = (sums / ctx.total).to(mean.device, acc)
             mean_dy, mean_dy_xmu = sums[:channels], sums[channels:]
             scale = invstd if weight is None else invstd * weight.to(acc)
-            grad_input = (g - _per_channel(mean_dy, ndim)
-                          - xmu * _per_channel(invstd * invstd * mean_dy_xmu, ndim))
+            grad_input = (
+                g
+                - _per_channel(mean_dy, ndim)
+                - xmu * _per_channel(invstd * invstd * mean_dy_xmu, ndim)
+            )
             grad_input = (grad_input * _per_channel(scale, ndim)).to(input.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
@@ -113,8 +118,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
-def _sync_batch_norm(input, running_mean, running_var, weight, bias, momentum: float, eps: float,
-                     name: str) -> torch.Tensor:
+def _sync_batch_norm(
+    input, running_mean, running_var, weight, bias, momentum: float, eps: float, name: str
+) -> torch.Tensor:
     """Training-mode batch norm over every rank's batch (F.batch_norm's arguments, training=True,
     plus the collective name prefix). Updates running_mean/running_var in place (if given) with
     the global mean and unbiased variance and exponential factor `momentum`.
@@ -128,11 +134,13 @@ def _sync_batch_norm(input, running_mean, running_var, weight, bias, momentum: f
         invstd = torch.rsqrt(m2 / total + eps)
         if running_mean is not None:
             running_mean.mul_(1.0 - momentum).add_(
-                mean.to(running_mean.device, running_mean.dtype), alpha=momentum)
+                mean.to(running_mean.device, running_mean.dtype), alpha=momentum
+            )
         if running_var is not None:
             unbiased = m2 / (total - 1)
             running_var.mul_(1.0 - momentum).add_(
-                unbiased.to(running_var.device, running_var.dtype), alpha=momentum)
+                unbiased.to(running_var.device, running_var.dtype), alpha=momentum
+            )
         mean, invstd = mean.to(input.device, acc), invstd.to(input.device, acc)
     return _SyncBatchNormFunction.apply(input, weight, bias, mean, invstd, total, name + ".grad")
 
@@ -164,8 +172,14 @@ class SyncBatchNorm(_BatchNorm):
     host memory, which is all this build of mpidp moves), but only CPU is tested here.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True,
-                 track_running_stats: bool = True):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum=0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self._collective_name = f"mpidp.SyncBatchNorm.{next(_instances)}"
 
@@ -177,11 +191,17 @@ class SyncBatchNorm(_BatchNorm):
     def _check_channels(self, input):
         """Fail before communicating if the channel count does not match the layer's tensors."""
         channels = input.shape[1]
-        for what, t in (("weight", self.weight), ("bias", self.bias),
-                        ("running_mean", self.running_mean), ("running_var", self.running_var)):
+        for what, t in (
+            ("weight", self.weight),
+            ("bias", self.bias),
+            ("running_mean", self.running_mean),
+            ("running_var", self.running_var),
+        ):
             if t is not None and t.numel() != channels:
-                raise ValueError(f"SyncBatchNorm: input has {channels} channels but {what} has "
-                                 f"{t.numel()} elements")
+                raise ValueError(
+                    f"SyncBatchNorm: input has {channels} channels but {what} has "
+                    f"{t.numel()} elements"
+                )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalise `input`. Synchronization: in training mode with more than one rank, one
@@ -196,9 +216,16 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
         track = self.track_running_stats
-        return _sync_batch_norm(input, self.running_mean if track else None,
-                                self.running_var if track else None, self.weight, self.bias,
-                                factor, self.eps, self._collective_name)
+        return _sync_batch_norm(
+            input,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            self.weight,
+            self.bias,
+            factor,
+            self.eps,
+            self._collective_name,
+        )
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module) -> torch.nn.Module:
@@ -212,8 +239,11 @@ class SyncBatchNorm(_BatchNorm):
         must convert the same model (see SyncBatchNorm's collective names)."""
         converted: list = []
         result = cls._convert(module, converted)
-        logger.debug("convert_sync_batchnorm: replaced %d batch norm layer(s)%s", len(converted),
-                     f" ({', '.join(converted)})" if converted else "")
+        logger.debug(
+            "convert_sync_batchnorm: replaced %d batch norm layer(s)%s",
+            len(converted),
+            f" ({', '.join(converted)})" if converted else "",
+        )
         return result
 
     @classmethod
@@ -221,8 +251,13 @@ class SyncBatchNorm(_BatchNorm):
         """convert_sync_batchnorm's recursion; appends each replaced layer to `converted`."""
         output = module
         if isinstance(module, _BatchNorm) and not isinstance(module, cls):
-            output = cls(module.num_features, module.eps, module.momentum, module.affine,
-                         module.track_running_stats)
+            output = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+            )
             if module.affine:
                 with torch.no_grad():
                     output.weight = module.weight
@@ -235,6 +270,7 @@ class SyncBatchNorm(_BatchNorm):
                 output.qconfig = module.qconfig
             converted.append(f"{path or '<root>'}: {type(module).__name__}")
         for name, child in module.named_children():
-            output.add_module(name, cls._convert(child, converted, f"{path}.{name}" if path
-                                                 else name))
+            output.add_module(
+                name, cls._convert(child, converted, f"{path}.{name}" if path else name)
+            )
         return output

@@ -9,9 +9,11 @@ _made: Dict[Tuple[type, type], type] = {}
 
 def _forwarded(name: str) -> property:
     """An attribute of the wrapper that is the wrapped optimizer's (get, set and delete)."""
-    return property(lambda self: getattr(self._opt, name),
-                    lambda self, value: setattr(self._opt, name, value),
-                    lambda self: delattr(self._opt, name))
+    return property(
+        lambda self: getattr(self._opt, name),
+        lambda self, value: setattr(self._opt, name, value),
+        lambda self: delattr(self._opt, name),
+    )
 
 
 def mixed(cls: type, optimizer) -> type:
@@ -24,8 +26,11 @@ def mixed(cls: type, optimizer) -> type:
     made = _made.get((cls, base))
     if made is None:
         try:
-            made = type(base.__name__, (cls, base), {"__module__": cls.__module__,
-                                                     "__qualname__": base.__qualname__})
+            made = type(
+                base.__name__,
+                (cls, base),
+                {"__module__": cls.__module__, "__qualname__": base.__qualname__},
+            )
         except TypeError:  # a metaclass or layout that does not mix: the plain wrapper
             made = cls
         _made[(cls, base)] = made
@@ -43,8 +48,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def __getattr__(self, name):
         return getattr(self.__dict__["_opt"], name)
 
-    param_groups = property(lambda self: self._opt.param_groups,
-                            lambda self, value: setattr(self._opt, "param_groups", value))
+    param_groups = property(
+        lambda self: self._opt.param_groups,
+        lambda self, value: setattr(self._opt, "param_groups", value),
+    )
     state = property(lambda self: self._opt.state)
     defaults = property(lambda self: self._opt.defaults)
     # GradScaler.step hands a fused optimizer (`_step_supports_amp_scaling`) its scale and inf

@@ -29,8 +29,11 @@ FAULTS = ("kill", "term", "raise", "datapath", "stall", "disk", "corrupt")
 STEPS = 8
 BOUND_S = 10.0  # from the fault to the job's end
 STALL_S = 3.0  # MPIDP_STALL_SHUTDOWN_S for the trials: a stall ends the job past this
-ENV = {"MPIDP_STALL_WARNING_S": "1.5", "MPIDP_STALL_SHUTDOWN_S": str(STALL_S),
-       "OMP_NUM_THREADS": "1"}
+ENV = {
+    "MPIDP_STALL_WARNING_S": "1.5",
+    "MPIDP_STALL_SHUTDOWN_S": str(STALL_S),
+    "OMP_NUM_THREADS": "1",
+}
 TIMEOUT_S = 120
 
 
@@ -47,8 +50,19 @@ def _orphans(tag: str, grace_s: float = 3.0) -> list:
 
 
 def _job(n, checkpoint, tag, *args):
-    res = run(n, SCRIPT, "--checkpoint", checkpoint, "--steps", STEPS, "--tag", tag, *args,
-              env=ENV, timeout=TIMEOUT_S)
+    res = run(
+        n,
+        SCRIPT,
+        "--checkpoint",
+        checkpoint,
+        "--steps",
+        STEPS,
+        "--tag",
+        tag,
+        *args,
+        env=ENV,
+        timeout=TIMEOUT_S,
+    )
     return res, time.time()
 
 
@@ -89,8 +103,17 @@ def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
         try:
             if fault == "corrupt":
                 # A clean run that stops at `step` (its fault ends it there), then a damaged file.
-                _job(n, checkpoint, tag, "--fault", "kill", "--fault-rank", rank,
-                     "--fault-step", step)
+                _job(
+                    n,
+                    checkpoint,
+                    tag,
+                    "--fault",
+                    "kill",
+                    "--fault-rank",
+                    rank,
+                    "--fault-step",
+                    step,
+                )
                 with open(checkpoint, "r+b") as f:
                     f.seek(os.path.getsize(checkpoint) // 2)
                     f.write(b"\xde\xad\xbe\xef" * 64)
@@ -99,8 +122,9 @@ def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
                 fault_at, bound = started, BOUND_S
                 named = "ckpt.pt" in res.stderr and "CheckpointError" in res.stderr
             else:
-                res, ended = _job(n, checkpoint, tag, "--fault", fault, "--fault-rank", rank,
-                                  "--fault-step", step)
+                res, ended = _job(
+                    n, checkpoint, tag, "--fault", fault, "--fault-rank", rank, "--fault-step", step
+                )
                 stamp = re.search(r"^chaos: .* at ([0-9.]+)$", res.stdout, re.M)
                 fault_at = float(stamp.group(1)) if stamp else float("nan")
                 bound = BOUND_S + (STALL_S if fault == "stall" else 0.0)
@@ -115,13 +139,15 @@ def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
         finally:
             if fault == "disk":
                 subprocess.run(["umount", ckdir], check=False)
-    return {"ended non-zero": res.returncode != 0,
-            "in time": ended - fault_at <= bound,
-            "no orphans": not orphans,
-            "named": named,
-            "resumed bitwise": again.returncode == 0 and _final(again) == want,
-            "_output": res.output + again.output + "".join(f"\norphan: {o}" for o in orphans),
-            "_seconds": ended - fault_at}
+    return {
+        "ended non-zero": res.returncode != 0,
+        "in time": ended - fault_at <= bound,
+        "no orphans": not orphans,
+        "named": named,
+        "resumed bitwise": again.returncode == 0 and _final(again) == want,
+        "_output": res.output + again.output + "".join(f"\norphan: {o}" for o in orphans),
+        "_seconds": ended - fault_at,
+    }
 
 
 def main(argv=None) -> int:
@@ -145,8 +171,11 @@ def main(argv=None) -> int:
                 row[key] += bool(ok)
         bad = [k for k, ok in got.items() if not k.startswith("_") and not ok]
         verdict = "ok" if not bad else "FAILED " + ", ".join(bad)
-        print(f"trial {i + 1}: {fault} on rank {rank} of {n} at step {step}: ended "
-              f"{got['_seconds']:.1f} s after it; {verdict}", flush=True)
+        print(
+            f"trial {i + 1}: {fault} on rank {rank} of {n} at step {step}: ended "
+            f"{got['_seconds']:.1f} s after it; {verdict}",
+            flush=True,
+        )
         if bad:
             print(got["_output"][-3000:], flush=True)
     keys = ["trials", "ended non-zero", "in time", "no orphans", "named", "resumed bitwise"]

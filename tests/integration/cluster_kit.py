@@ -27,11 +27,23 @@ import pytest
 from .launch import ROOT, Result, clean_shm, shm_files
 
 # Daemons live in sbin, which a non-login or non-root PATH may lack.
-SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/local/sbin", "/usr/sbin", "/sbin",
-                               "/usr/local/bin", "/usr/bin", "/bin"])
+SEARCH_PATH = os.pathsep.join(
+    [
+        os.environ.get("PATH", ""),
+        "/usr/local/sbin",
+        "/usr/sbin",
+        "/sbin",
+        "/usr/local/bin",
+        "/usr/bin",
+        "/bin",
+    ]
+)
 # The daemons get a plain environment, not the test's (venv first in PATH, pytest variables).
-DAEMON_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-              "LANG": "C.UTF-8", "HOME": "/root"}
+DAEMON_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/root",
+}
 
 
 class Unavailable(Exception):
@@ -65,6 +77,7 @@ def start_or_skip(cluster, what: str, **start_args):
 
 # -- commands ------------------------------------------------------------------------------------
 
+
 def which(name):
     return shutil.which(name, path=SEARCH_PATH)
 
@@ -84,12 +97,19 @@ def run(cmd, timeout=30, env=None, check=False, error=ClusterError):
     `timeout` seconds always does, with what the command said so far."""
     with tempfile.TemporaryFile(mode="w+") as out:
         try:
-            proc = subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, env=env, timeout=timeout)
+            proc = subprocess.run(
+                [str(c) for c in cmd],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             out.seek(0)
-            raise error(f"{_show(cmd)} did not finish within {timeout}s; its output:\n"
-                        f"{out.read()}") from None
+            raise error(
+                f"{_show(cmd)} did not finish within {timeout}s; its output:\n{out.read()}"
+            ) from None
         out.seek(0)
         text = out.read()
     if check and proc.returncode != 0:
@@ -102,9 +122,16 @@ def run_group(cmd, timeout=120, env=None, cwd=ROOT):
     Result; on timeout kill the whole group (mpiexec and its ssh clients, say) and re-raise
     TimeoutExpired."""
     start = time.monotonic()
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, cwd=str(cwd), env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=str(cwd),
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -119,11 +146,13 @@ def run_group(cmd, timeout=120, env=None, cwd=ROOT):
             except subprocess.TimeoutExpired:
                 continue
         raise
-    return Result(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
-                  time.monotonic() - start)
+    return Result(
+        subprocess.CompletedProcess(cmd, proc.returncode, out, err), time.monotonic() - start
+    )
 
 
 # -- waits ---------------------------------------------------------------------------------------
+
 
 def wait_while(probe, timeout, interval=0.2):
     """Call `probe` until it returns something false or `timeout` seconds have passed; return its
@@ -142,6 +171,7 @@ def wait_until(predicate, timeout, interval=0.2):
 
 
 # -- processes -----------------------------------------------------------------------------------
+
 
 def _stat(pid):
     """The fields of /proc/PID/stat after the command name (state, parent, ...); [] if gone."""
@@ -230,25 +260,41 @@ def tail(path, lines=40):
 
 # -- packages ------------------------------------------------------------------------------------
 
+
 def install(packages, missing, attempts=3, timeout=600):
     """As root, apt-get install `packages` quietly, retried, until `missing()` (the programs still
     missing) is empty; Unavailable if that cannot be done."""
     if not is_root():
-        raise Unavailable(f"{', '.join(missing())} missing, and we are not root, so cannot "
-                          f"install them (as root: apt-get install {' '.join(packages)})")
+        raise Unavailable(
+            f"{', '.join(missing())} missing, and we are not root, so cannot "
+            f"install them (as root: apt-get install {' '.join(packages)})"
+        )
     apt = which("apt-get")
     if apt is None:
-        raise Unavailable(f"{', '.join(missing())} missing, and there is no apt-get to install "
-                          f"{' '.join(packages)} with")
+        raise Unavailable(
+            f"{', '.join(missing())} missing, and there is no apt-get to install "
+            f"{' '.join(packages)} with"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     log = ""
     for attempt in range(1, attempts + 1):
         try:
-            up = subprocess.run([apt, "-qq", "update"], capture_output=True, text=True, env=env,
-                                timeout=timeout, stdin=subprocess.DEVNULL)
-            inst = subprocess.run([apt, "install", "-y", "-qq", "--no-install-recommends",
-                                   *packages], capture_output=True, text=True, env=env,
-                                  timeout=timeout, stdin=subprocess.DEVNULL)
+            up = subprocess.run(
+                [apt, "-qq", "update"],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+            inst = subprocess.run(
+                [apt, "install", "-y", "-qq", "--no-install-recommends", *packages],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
             log = up.stdout + up.stderr + inst.stdout + inst.stderr
             if inst.returncode == 0 and not missing():
                 return
@@ -256,11 +302,13 @@ def install(packages, missing, attempts=3, timeout=600):
             log = f"timed out after {timeout}s: {e.cmd}"
         if attempt < attempts:
             time.sleep(5 * attempt)
-    raise Unavailable(f"apt-get install {' '.join(packages)} failed {attempts} times; last "
-                      f"output:\n{log[-3000:]}")
+    raise Unavailable(
+        f"apt-get install {' '.join(packages)} failed {attempts} times; last output:\n{log[-3000:]}"
+    )
 
 
 # -- one session at a time -----------------------------------------------------------------------
+
 
 class SessionLock:
     """Held from a cluster's start() to its stop(): two test sessions on one machine would
@@ -290,8 +338,10 @@ class SessionLock:
 
         if wait_while(busy, timeout, 1.0):
             os.close(fd)
-            raise Unavailable(f"another test session has held {self.path} (its test cluster) "
-                              f"for more than {timeout}s")
+            raise Unavailable(
+                f"another test session has held {self.path} (its test cluster) "
+                f"for more than {timeout}s"
+            )
         self._fd = fd
         self._shm_before = shm_files()
 

@@ -39,8 +39,15 @@ def run(n: int, script, *args, env=None, timeout: float = 120, mpi_args=()) -> R
     full_env.update(env or {})
     cmd = [mpiexec(), "-n", str(n), *mpi_args, sys.executable, str(script), *map(str, args)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout,
-                          cwd=str(ROOT), stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(ROOT),
+        stdin=subprocess.DEVNULL,
+    )
     return Result(proc, time.monotonic() - start)
 
 
@@ -64,8 +71,9 @@ def clean_shm(before: set) -> list:
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
             with open(maps) as f:
-                mapped.update(line.split(None, 5)[-1].strip() for line in f
-                              if "/dev/shm/mpich_shm_" in line)
+                mapped.update(
+                    line.split(None, 5)[-1].strip() for line in f if "/dev/shm/mpich_shm_" in line
+                )
         except OSError:
             pass
     removed = []

@@ -40,14 +40,29 @@ import time
 from pathlib import Path
 
 from . import netshape
-from .cluster_kit import (ClusterError, SessionLock, Unavailable, alive, cmdline, descendants,
-                          install, is_root, kill_all, run, run_group, start_or_skip, tail,
-                          wait_until, wait_while, which)
+from .cluster_kit import (
+    ClusterError,
+    SessionLock,
+    Unavailable,
+    alive,
+    cmdline,
+    descendants,
+    install,
+    is_root,
+    kill_all,
+    run,
+    run_group,
+    start_or_skip,
+    tail,
+    wait_until,
+    wait_while,
+    which,
+)
 from .launch import ROOT, mpiexec
 
-PREFIX = "mpidpmh"              # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
+PREFIX = "mpidpmh"  # namespaces mpidpmh-hostX, links mpidpmh*, /tmp/mpidpmh-*
 BRIDGE = PREFIX + "0"
-SUBNET = "10.215.15"            # a private /24 that lives only on our bridge; .1 is the bridge
+SUBNET = "10.215.15"  # a private /24 that lives only on our bridge; .1 is the bridge
 HOST_NAMES = ("hosta", "hostb", "hostc")
 LOCK = Path("/run/mpidp-multihost-test.lock")
 PACKAGES = ("openssh-server", "openssh-client")
@@ -66,15 +81,21 @@ def missing_programs():
 def namespaces():
     """Our network namespaces present now (ours or a killed run's)."""
     _, out = _run(["ip", "netns", "list"], check=False)
-    return sorted(w for w in (line.split()[0] for line in out.splitlines() if line.strip())
-                  if w.startswith(PREFIX + "-"))
+    return sorted(
+        w
+        for w in (line.split()[0] for line in out.splitlines() if line.strip())
+        if w.startswith(PREFIX + "-")
+    )
 
 
 def links():
     """Our bridge and veth ends in the root namespace."""
     _, out = _run(["ip", "-o", "link", "show"], check=False)
-    names = (line.split(":")[1].strip().split("@")[0] for line in out.splitlines()
-             if line.count(":") >= 2)
+    names = (
+        line.split(":")[1].strip().split("@")[0]
+        for line in out.splitlines()
+        if line.count(":") >= 2
+    )
     return sorted(n for n in names if n.startswith(PREFIX))
 
 
@@ -107,8 +128,8 @@ class Host:
         self.netns = f"{PREFIX}-{name}"
         self.address = f"{SUBNET}.{index + 2}"
         self.veth = f"{PREFIX}-{name}"
-        self.sshd = None                # Popen of its sshd (the listener)
-        self.profile = netshape.PROFILES["none"]   # how its link is shaped now
+        self.sshd = None  # Popen of its sshd (the listener)
+        self.profile = netshape.PROFILES["none"]  # how its link is shaped now
 
     def __repr__(self):
         return f"<{self.name} {self.address}>"
@@ -161,25 +182,41 @@ class MultiHostCluster:
     def _catch_sigterm(self):
         """`timeout` ends a test run with SIGTERM, which skips fixture teardown: stop first."""
         if threading_main() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+
             def on_term(signum, frame):
                 self.stop(check=False)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
+
             self._old_sigterm = signal.SIG_DFL
             signal.signal(signal.SIGTERM, on_term)
 
     def _write_keys_and_configs(self):
         d = self.dir
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mpidp-test", "-f",
-              str(d / "id")])
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mpidp-test-host", "-f",
-              str(d / "host_key")])
+        _run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "mpidp-test", "-f", str(d / "id")]
+        )
+        _run(
+            [
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                "mpidp-test-host",
+                "-f",
+                str(d / "host_key"),
+            ]
+        )
         shutil.copy(d / "id.pub", d / "authorized_keys")
         aliases = "".join(f"Host {h.name}\n  HostName {h.address}\n" for h in self.hosts)
         (d / "ssh_config").write_text(
             aliases + f"Host *\n  User root\n  IdentityFile {d / 'id'}\n  IdentitiesOnly yes\n"
             "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n"
-            "  LogLevel ERROR\n  ConnectTimeout 10\n")
+            "  LogLevel ERROR\n  ConnectTimeout 10\n"
+        )
         wrapper = d / "ssh"
         wrapper.write_text(f'#!/bin/sh\nexec {which("ssh")} -F {d / "ssh_config"} "$@"\n')
         wrapper.chmod(0o755)
@@ -189,7 +226,8 @@ class MultiHostCluster:
                 f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
                 # The keys live under /tmp, whose mode sshd's StrictModes refuses.
-                f"StrictModes no\nPidFile {d / f'sshd_{h.name}.pid'}\nLogLevel ERROR\n")
+                f"StrictModes no\nPidFile {d / f'sshd_{h.name}.pid'}\nLogLevel ERROR\n"
+            )
 
     def _build_network(self):
         _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
@@ -197,8 +235,21 @@ class MultiHostCluster:
         _run(["ip", "link", "set", BRIDGE, "up"])
         for h in self.hosts:
             _run(["ip", "netns", "add", h.netns])
-            _run(["ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns",
-                  h.netns])
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    h.veth,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    h.netns,
+                ]
+            )
             _run(["ip", "link", "set", h.veth, "master", BRIDGE, "up"])
             _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0"])
             _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
@@ -220,10 +271,12 @@ class MultiHostCluster:
         mtus = {h.profile.mtu for h in self.hosts}
         netshape.set_mtu(BRIDGE, min(mtus))
         if self.dir is not None:
-            (self.dir / "profiles.json").write_text(json.dumps(
-                {h.name: h.profile._asdict() for h in self.hosts}))
-        self._log("links: " + ", ".join(f"{h.name} {_describe(h.profile)}"
-                                        for h in self._hosts(hosts)))
+            (self.dir / "profiles.json").write_text(
+                json.dumps({h.name: h.profile._asdict() for h in self.hosts})
+            )
+        self._log(
+            "links: " + ", ".join(f"{h.name} {_describe(h.profile)}" for h in self._hosts(hosts))
+        )
 
     def link_down(self, host):
         """Cut `host` off the bridge (its veth down: both ends lose carrier)."""
@@ -243,18 +296,27 @@ class MultiHostCluster:
         for h in self.hosts:
             up = netshape.probe(h.netns, None, bridge, seconds, pings)
             down = netshape.probe(None, h.netns, h.address, seconds, 0)
-            found[h.name] = dict(up, rate_bit_s=min(up["rate_bit_s"], down["rate_bit_s"]),
-                                 rate_from_bit_s=up["rate_bit_s"],
-                                 rate_to_bit_s=down["rate_bit_s"], profile=h.profile)
+            found[h.name] = dict(
+                up,
+                rate_bit_s=min(up["rate_bit_s"], down["rate_bit_s"]),
+                rate_from_bit_s=up["rate_bit_s"],
+                rate_to_bit_s=down["rate_bit_s"],
+                profile=h.profile,
+            )
         first = self.hosts[0]
         for h in self.hosts[1:]:
             pair = netshape.probe(first.netns, h.netns, h.address, seconds, pings)
             found[f"{first.name}->{h.name}"] = dict(pair, profile=h.profile)
         for path, m in found.items():
-            rates = (f"from {_gbit(m['rate_from_bit_s'])} to {_gbit(m['rate_to_bit_s'])}"
-                     if "rate_from_bit_s" in m else _gbit(m["rate_bit_s"]))
-            self._log(f"{path:14s} {rates}, RTT median {m['rtt_s'] * 1e6:.0f} us "
-                      f"(min {m['rtt_min_s'] * 1e6:.0f} us); profile {_describe(m['profile'])}")
+            rates = (
+                f"from {_gbit(m['rate_from_bit_s'])} to {_gbit(m['rate_to_bit_s'])}"
+                if "rate_from_bit_s" in m
+                else _gbit(m["rate_bit_s"])
+            )
+            self._log(
+                f"{path:14s} {rates}, RTT median {m['rtt_s'] * 1e6:.0f} us "
+                f"(min {m['rtt_min_s'] * 1e6:.0f} us); profile {_describe(m['profile'])}"
+            )
         return found
 
     def _hosts(self, names):
@@ -263,13 +325,18 @@ class MultiHostCluster:
     def _start_sshd(self, host):
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
         logf = open(self.dir / f"sshd_{host.name}.log", "w")
-        script = (f"hostname {host.name} && exec {which('sshd')} -D -e "
-                  f"-f {self.dir / f'sshd_{host.name}.conf'}")
+        script = (
+            f"hostname {host.name} && exec {which('sshd')} -D -e "
+            f"-f {self.dir / f'sshd_{host.name}.conf'}"
+        )
         # ip netns exec, unshare and sh all exec, so the Popen's pid is sshd's own.
-        host.sshd = subprocess.Popen(["ip", "netns", "exec", host.netns, "unshare", "--uts",
-                                      "sh", "-c", script], stdin=subprocess.DEVNULL,
-                                     stdout=logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        host.sshd = subprocess.Popen(
+            ["ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c", script],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         logf.close()
 
     def _wait_ssh(self, host, timeout=_SETUP_TIMEOUT):
@@ -277,15 +344,17 @@ class MultiHostCluster:
 
         def answers():
             if host.sshd.poll() is not None:
-                return True     # it exited: no use waiting
+                return True  # it exited: no use waiting
             last[:] = self.ssh(host.name, "hostname", check=False)
             return last[0] == 0 and last[1].strip() == host.name
 
         if wait_until(answers, timeout) and host.sshd.poll() is None:
             return
-        raise ClusterError(f"ssh {host.name} did not answer within {timeout}s (last: {last[1]!r}; "
-                           f"sshd exit code {host.sshd.poll()}); sshd log:\n"
-                           f"{tail(self.dir / f'sshd_{host.name}.log')}")
+        raise ClusterError(
+            f"ssh {host.name} did not answer within {timeout}s (last: {last[1]!r}; "
+            f"sshd exit code {host.sshd.poll()}); sshd log:\n"
+            f"{tail(self.dir / f'sshd_{host.name}.log')}"
+        )
 
     # -- use -----------------------------------------------------------------------------------
 
@@ -298,8 +367,16 @@ class MultiHostCluster:
         of the namespace without the cgroup file systems under it (slurmd then stops at "No
         filesystem mounted on /sys/fs/cgroup")."""
         host = self.host(name)
-        return [which("nsenter") or "nsenter", f"--net=/run/netns/{host.netns}", "unshare",
-                "--uts", "sh", "-c", f'hostname {host.name} && exec "$@"', "sh"]
+        return [
+            which("nsenter") or "nsenter",
+            f"--net=/run/netns/{host.netns}",
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'hostname {host.name} && exec "$@"',
+            "sh",
+        ]
 
     def ssh(self, host, command, timeout=30, check=True):
         return _run([str(self.dir / "ssh"), host, command], timeout=timeout, check=check)
@@ -308,8 +385,13 @@ class MultiHostCluster:
         """The environment for a launch across the hosts (see the module docstring)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=str(self.dir / "ssh"),
-                   HYDRA_IFACE=BRIDGE, UCX_TLS="self,tcp", OMP_NUM_THREADS="1")
+        env.update(
+            HYDRA_LAUNCHER="ssh",
+            HYDRA_LAUNCHER_EXEC=str(self.dir / "ssh"),
+            HYDRA_IFACE=BRIDGE,
+            UCX_TLS="self,tcp",
+            OMP_NUM_THREADS="1",
+        )
         env.update(extra)
         return env
 
@@ -320,16 +402,24 @@ class MultiHostCluster:
 
     def start_job(self, args, env=None):
         """mpiexec `args` in the background (own process group), stdout/stderr as text pipes."""
-        return subprocess.Popen([mpiexec(), *map(str, args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                cwd=str(ROOT), env=env or self.env(), start_new_session=True)
+        return subprocess.Popen(
+            [mpiexec(), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            cwd=str(ROOT),
+            env=env or self.env(),
+            start_new_session=True,
+        )
 
     def kill_session(self, name, with_children):
         """SIGKILL the sshd session processes on host `name` (not the listener), and with
         `with_children` everything they started; returns the pids killed."""
         host = self.host(name)
-        pids = [p for p in pids_in(host.netns)
-                if p != host.sshd.pid and cmdline(p).startswith("sshd: ")]
+        pids = [
+            p for p in pids_in(host.netns) if p != host.sshd.pid and cmdline(p).startswith("sshd: ")
+        ]
         if with_children:
             pids = descendants(pids)
         kill_all(pids)
@@ -342,6 +432,7 @@ class MultiHostCluster:
     def leftovers(self, settle=5.0):
         """{host: [command line]} of processes other than the sshd listeners, after they have
         had `settle` seconds to go (sshd's session processes exit just after a job)."""
+
         def find():
             found = {}
             for h in self.hosts:
@@ -350,6 +441,7 @@ class MultiHostCluster:
                 if rest:
                     found[h.name] = [f"{p}: {cmdline(p)}" for p in rest]
             return found
+
         return wait_while(find, settle, 0.1)
 
     # -- stop ----------------------------------------------------------------------------------
@@ -392,11 +484,10 @@ def threading_main():
     return threading.current_thread() is threading.main_thread()
 
 
-
 def attach(log=print):
     """The cluster that `up` left running (hosts, ssh directory, link profiles), not started here
     and holding no lock; ClusterError if none is up."""
-    names = [ns[len(PREFIX) + 1:] for ns in namespaces()]
+    names = [ns[len(PREFIX) + 1 :] for ns in namespaces()]
     dirs = glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "-*"))
     if not names or len(dirs) != 1:
         raise ClusterError(f"no cluster is up (namespaces {names}, directories {dirs})")
@@ -420,8 +511,10 @@ def main(argv):
         down                   remove it all
     (docs/clusters.md)"""
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m tests.integration.multihost_cluster",
-                                     usage=main.__doc__)
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.integration.multihost_cluster", usage=main.__doc__
+    )
     parser.add_argument("command", choices=("up", "check", "shape", "down"))
     parser.add_argument("args", nargs="*")
     parser.add_argument("--profile", default="none", choices=sorted(netshape.PROFILES))
@@ -437,8 +530,9 @@ def main(argv):
             parser.error("shape needs a profile")
         attach().shape(opts.args[0], hosts=opts.args[1:] or None)
         return 0
-    cluster = MultiHostCluster(int(opts.args[0]) if opts.args else 2, log=print,
-                               profile=opts.profile)
+    cluster = MultiHostCluster(
+        int(opts.args[0]) if opts.args else 2, log=print, profile=opts.profile
+    )
     cluster.start()
     for name, value in cluster.env().items():
         if name.startswith(("HYDRA_", "UCX_")):

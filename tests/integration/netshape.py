@@ -51,6 +51,7 @@ PLAIN = 1500
 class Profile(NamedTuple):
     """A link as seen host to host: rate each way (bit/s, None: unshaped), one-way delay (s),
     fraction of packets lost one way, and the MTU."""
+
     rate_bit_s: Optional[float]
     delay_s: float
     loss: float
@@ -63,7 +64,7 @@ PROFILES = {
     "1gbe": Profile(1e9, 50e-6, 0.0, JUMBO),
     "10gbe": Profile(10e9, 20e-6, 0.0, JUMBO),
     "lossy": Profile(1e9, 50e-6, 0.005, JUMBO),
-    "1mbit": Profile(1e6, 50e-6, 0.0, JUMBO),   # a link gone bad (fault tests)
+    "1mbit": Profile(1e6, 50e-6, 0.0, JUMBO),  # a link gone bad (fault tests)
 }
 
 
@@ -93,8 +94,14 @@ def _ip_argv(netns):
 
 
 def _call(argv, check=True):
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          stdin=subprocess.DEVNULL, timeout=30)
+    proc = subprocess.run(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=30,
+    )
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stdout.strip()}")
     return proc.stdout
@@ -104,10 +111,11 @@ def has_netem():
     """Whether this kernel has netem (delay); a kernel built without it rejects the qdisc kind."""
     try:
         import gzip
+
         with gzip.open("/proc/config.gz", "rt") as f:
             return any(line.startswith("CONFIG_NET_SCH_NETEM=") for line in f)
     except OSError:
-        return True     # unknown: try, and let tc say
+        return True  # unknown: try, and let tc say
 
 
 def applied(prof: Profile) -> Profile:
@@ -118,9 +126,9 @@ def applied(prof: Profile) -> Profile:
 def _loss_filter(loss):
     """Classic BPF for cls_bpf: a random 32-bit number below loss * 2**32 returns -1 (the filter's
     class, which drops), else 0 (no match: the default class)."""
-    threshold = min(int(loss * 2 ** 32), 2 ** 32 - 1)
-    rand = 2 ** 32 - 0x1000 + 56          # SKF_AD_OFF + SKF_AD_RANDOM
-    return f"4,32 0 0 {rand},53 1 0 {threshold},6 0 0 {2 ** 32 - 1},6 0 0 0"
+    threshold = min(int(loss * 2**32), 2**32 - 1)
+    rand = 2**32 - 0x1000 + 56  # SKF_AD_OFF + SKF_AD_RANDOM
+    return f"4,32 0 0 {rand},53 1 0 {threshold},6 0 0 {2**32 - 1},6 0 0 0"
 
 
 def qdisc_commands(dev, prof: Profile, netns=None, netem=None):
@@ -134,24 +142,110 @@ def qdisc_commands(dev, prof: Profile, netns=None, netem=None):
     tc = [*_tc_argv(netns)]
     rate = prof.rate_bit_s or 100e9
     burst = _burst(prof)
-    limit = max(int(rate / 8 * 1e-2), 256 * 1024)    # queue: 10 ms at the rate, at least 256 KB
+    limit = max(int(rate / 8 * 1e-2), 256 * 1024)  # queue: 10 ms at the rate, at least 256 KB
     htb = [f"{int(rate)}bit", "burst", str(burst), "cburst", str(burst)]
-    cmds = [[*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
-            [*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
-             "rate", *htb[:1], "ceil", *htb]]
+    cmds = [
+        [*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+        [
+            *tc,
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "classid",
+            "1:10",
+            "htb",
+            "rate",
+            *htb[:1],
+            "ceil",
+            *htb,
+        ],
+    ]
     if prof.delay_s and netem:
-        cmds.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "netem",
-                     "delay", f"{prof.delay_s / 2 * 1e6:.1f}us", "limit", "100000"])
+        cmds.append(
+            [
+                *tc,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:10",
+                "handle",
+                "10:",
+                "netem",
+                "delay",
+                f"{prof.delay_s / 2 * 1e6:.1f}us",
+                "limit",
+                "100000",
+            ]
+        )
     else:
-        cmds.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "bfifo",
-                     "limit", str(limit)])
+        cmds.append(
+            [
+                *tc,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:10",
+                "handle",
+                "10:",
+                "bfifo",
+                "limit",
+                str(limit),
+            ]
+        )
     if prof.loss:
-        cmds += [[*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb",
-                  "rate", "1mbit"],
-                 [*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo",
-                  "limit", "0"],
-                 [*tc, "filter", "add", "dev", dev, "parent", "1:", "prio", "1", "bpf",
-                  "bytecode", _loss_filter(1 - math.sqrt(1 - prof.loss)), "classid", "1:20"]]
+        cmds += [
+            [
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "classid",
+                "1:20",
+                "htb",
+                "rate",
+                "1mbit",
+            ],
+            [
+                *tc,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:20",
+                "handle",
+                "20:",
+                "pfifo",
+                "limit",
+                "0",
+            ],
+            [
+                *tc,
+                "filter",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "prio",
+                "1",
+                "bpf",
+                "bytecode",
+                _loss_filter(1 - math.sqrt(1 - prof.loss)),
+                "classid",
+                "1:20",
+            ],
+        ]
     return cmds
 
 
@@ -174,8 +268,7 @@ def shape_device(dev, prof: Profile, netns=None):
     """Replace whatever shapes `dev` (in `netns`, or the root namespace) by `prof`."""
     _call([*_tc_argv(netns), "qdisc", "del", "dev", dev, "root"], check=False)
     segs = str(_gso_segments(prof))
-    _call([*_ip_argv(netns), "link", "set", "dev", dev, "mtu", str(prof.mtu),
-           "gso_max_segs", segs])
+    _call([*_ip_argv(netns), "link", "set", "dev", dev, "mtu", str(prof.mtu), "gso_max_segs", segs])
     for argv in qdisc_commands(dev, prof, netns):
         _call(argv)
 
@@ -194,7 +287,7 @@ def qdiscs(dev, netns=None):
 # as `serve` inside the destination's namespace, the near end runs `send` inside the source's.
 
 _CHUNK = 1 << 20
-_SKIP = 0.25           # the first quarter of a transfer (slow start, the htb burst) is not timed
+_SKIP = 0.25  # the first quarter of a transfer (slow start, the htb burst) is not timed
 
 
 def _serve(addr, port, seconds):
@@ -214,13 +307,13 @@ def _serve(addr, port, seconds):
         if mode == b"Q":
             return
         if mode == b"P":
-            while (b := conn.recv(1)):
+            while b := conn.recv(1):
                 conn.sendall(b)
         elif mode == b"R":
             conn.settimeout(seconds)
             buf = bytearray(_CHUNK)
             t0 = time.monotonic()
-            total, marks = 0, []            # (time, bytes so far)
+            total, marks = 0, []  # (time, bytes so far)
             while (now := time.monotonic()) < t0 + seconds:
                 try:
                     n = conn.recv_into(buf)
@@ -244,6 +337,7 @@ def _serve(addr, port, seconds):
 def _send(addr, port, seconds, pings, timeout):
     """Stream until the far end closes (it times the stream), then `pings` round trips of one
     byte: {rtt_s, rtt_min_s} (nothing without pings)."""
+
     def connect(mode):
         s = socket.create_connection((addr, port), timeout=timeout)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -286,19 +380,37 @@ def probe(src_netns, dst_netns, dst_addr, seconds=0.6, pings=200, port=5399, tim
     stream's steady rate (bit/s, the receiver's count) and the median TCP round trip (s).
     RuntimeError if the far end cannot be reached or stops answering within `timeout` s."""
     me = os.path.abspath(__file__)
-    server = subprocess.Popen([*_in(dst_netns), sys.executable, me, "serve", dst_addr, str(port),
-                               str(seconds)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [*_in(dst_netns), sys.executable, me, "serve", dst_addr, str(port), str(seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         line = server.stdout.readline()
         if line.strip() != "listening":
-            raise RuntimeError(f"probe server in {dst_netns} did not start: "
-                               f"{line}{server.stderr.read()}")
-        client = subprocess.run([*_in(src_netns), sys.executable, me, "send", dst_addr, str(port),
-                                 str(seconds), str(pings), str(timeout)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                                timeout=2 * timeout + seconds)
+            raise RuntimeError(
+                f"probe server in {dst_netns} did not start: {line}{server.stderr.read()}"
+            )
+        client = subprocess.run(
+            [
+                *_in(src_netns),
+                sys.executable,
+                me,
+                "send",
+                dst_addr,
+                str(port),
+                str(seconds),
+                str(pings),
+                str(timeout),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=2 * timeout + seconds,
+        )
         if client.returncode != 0:
             raise RuntimeError(f"probe to {dst_addr} failed: {client.stderr.strip()}")
         out, _ = server.communicate(timeout=timeout)
@@ -316,7 +428,16 @@ if __name__ == "__main__":
     if sys.argv[1] == "serve":
         _serve(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     elif sys.argv[1] == "send":
-        print(json.dumps(_send(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
-                               int(sys.argv[5]), float(sys.argv[6]))))
+        print(
+            json.dumps(
+                _send(
+                    sys.argv[2],
+                    int(sys.argv[3]),
+                    float(sys.argv[4]),
+                    int(sys.argv[5]),
+                    float(sys.argv[6]),
+                )
+            )
+        )
     else:
         sys.exit(__doc__)

@@ -41,20 +41,38 @@ import time
 import uuid
 from pathlib import Path
 
-from .cluster_kit import (DAEMON_ENV, ClusterError, SessionLock, Unavailable, alive, daemon_pids,
-                          install, is_root, kill_all, read_pid, run_group, tail, wait_until,
-                          wait_while, which)
+from .cluster_kit import (
+    DAEMON_ENV,
+    ClusterError,
+    SessionLock,
+    Unavailable,
+    alive,
+    daemon_pids,
+    install,
+    is_root,
+    kill_all,
+    read_pid,
+    run_group,
+    tail,
+    wait_until,
+    wait_while,
+    which,
+)
 from .cluster_kit import run as _run_any
 
-MARKER = ("# Written by mpidp's tests/integration/slurm_cluster.py for a test cluster; "
-          "safe to delete.")
+MARKER = (
+    "# Written by mpidp's tests/integration/slurm_cluster.py for a test cluster; safe to delete."
+)
 CONF = Path("/etc/slurm/slurm.conf")
 BACKUP = Path("/etc/slurm/slurm.conf.mpidp-backup")
 STATE_DIRS = ("/var/lib/slurm/slurmctld", "/var/lib/slurm/slurmd", "/var/log/slurm")
 SLURMCTLD_LOG = Path("/var/log/slurm/slurmctld.log")
 SLURMD_LOG = Path("/var/log/slurm/slurmd.log")
-PIDFILES = {"slurmctld": Path("/run/slurmctld.pid"), "slurmd": Path("/run/slurmd.pid"),
-            "munged": Path("/run/munge/munged.pid")}
+PIDFILES = {
+    "slurmctld": Path("/run/slurmctld.pid"),
+    "slurmd": Path("/run/slurmd.pid"),
+    "munged": Path("/run/munge/munged.pid"),
+}
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_DIRS = ("/run/munge", "/var/log/munge", "/var/lib/munge")
 LOCK = Path("/run/mpidp-slurm-test.lock")  # cluster_kit.SessionLock
@@ -70,8 +88,22 @@ _run = functools.partial(_run_any, error=SlurmError)
 
 
 def missing_programs():
-    return [p for p in ("sbatch", "srun", "sinfo", "scontrol", "scancel", "slurmctld", "slurmd",
-                        "munged", "munge", "unmunge") if which(p) is None]
+    return [
+        p
+        for p in (
+            "sbatch",
+            "srun",
+            "sinfo",
+            "scontrol",
+            "scancel",
+            "slurmctld",
+            "slurmd",
+            "munged",
+            "munge",
+            "unmunge",
+        )
+        if which(p) is None
+    ]
 
 
 def node_name():
@@ -120,8 +152,11 @@ def slurm_conf(host, cpus, memory_mb, nodes=None, controller_address=None):
     if nodes:
         spool, pidfile = "/var/lib/slurm/slurmd/%n", "/run/slurmd-%n.pid"
         log = slurmd_log("%n")
-        node_lines = "".join(f"NodeName={n.name} NodeAddr={n.address} CPUs={cpus} "
-                             f"RealMemory={memory_mb} State=UNKNOWN\n" for n in nodes)
+        node_lines = "".join(
+            f"NodeName={n.name} NodeAddr={n.address} CPUs={cpus} "
+            f"RealMemory={memory_mb} State=UNKNOWN\n"
+            for n in nodes
+        )
         names = ",".join(n.name for n in nodes)
     else:
         spool, pidfile, log = "/var/lib/slurm/slurmd", PIDFILES["slurmd"], SLURMD_LOG
@@ -142,7 +177,7 @@ SchedulerType=sched/backfill
 ReturnToService=2
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmdSpoolDir={spool}
-SlurmctldPidFile={PIDFILES['slurmctld']}
+SlurmctldPidFile={PIDFILES["slurmctld"]}
 SlurmdPidFile={pidfile}
 SlurmctldLogFile={SLURMCTLD_LOG}
 SlurmdLogFile={log}
@@ -170,14 +205,16 @@ class Job:
         self.job_id = job_id
         self.returncode = returncode
         self.sbatch_output = sbatch_output
-        self.output = output      # the -o file
-        self.error = error        # the -e file, if one was asked for
+        self.output = output  # the -o file
+        self.error = error  # the -e file, if one was asked for
         self.seconds = seconds
 
     def __repr__(self):
-        return (f"<job {self.job_id}: rc={self.returncode} in {self.seconds:.1f}s\n"
-                f"--- sbatch:\n{self.sbatch_output}\n--- output:\n{self.output}\n"
-                f"--- error:\n{self.error}>")
+        return (
+            f"<job {self.job_id}: rc={self.returncode} in {self.seconds:.1f}s\n"
+            f"--- sbatch:\n{self.sbatch_output}\n--- output:\n{self.output}\n"
+            f"--- error:\n{self.error}>"
+        )
 
 
 class SlurmCluster:
@@ -208,15 +245,18 @@ class SlurmCluster:
             install(PACKAGES, missing_programs)
             self._log(f"installed in {time.monotonic() - t0:.1f}s")
         if not is_root():
-            raise Unavailable("a test Slurm cluster needs root (it writes /etc/slurm/slurm.conf "
-                              "and starts munged, slurmctld and slurmd)")
+            raise Unavailable(
+                "a test Slurm cluster needs root (it writes /etc/slurm/slurm.conf "
+                "and starts munged, slurmctld and slurmd)"
+            )
         self._lock.acquire(lock_timeout)
         try:
             running = {d: daemon_pids(d) for d in ("slurmctld", "slurmd")}
             if any(running.values()) and not _is_ours(CONF):
                 raise Unavailable(
                     f"Slurm daemons not started by these tests are running ({running}) under "
-                    f"{CONF} that is not ours; not touching someone else's cluster")
+                    f"{CONF} that is not ours; not touching someone else's cluster"
+                )
         except BaseException:
             self._lock.release()
             raise
@@ -245,8 +285,7 @@ class SlurmCluster:
         except BaseException:
             self.stop(check=False)
             raise
-        self._log(f"node(s) {', '.join(self.node_names())} idle after "
-                  f"{time.monotonic() - t0:.1f}s")
+        self._log(f"node(s) {', '.join(self.node_names())} idle after {time.monotonic() - t0:.1f}s")
 
     def node_names(self):
         return [n.name for n in self.nodes] or [self.host]
@@ -260,8 +299,15 @@ class SlurmCluster:
             shutil.chown(d, "munge", "munge")
         if not MUNGE_KEY.exists():
             self._log(f"{MUNGE_KEY} missing: creating one with mungekey")
-            _run([which("mungekey") or "/usr/sbin/mungekey", "--create", "--keyfile",
-                  str(MUNGE_KEY)], check=True)
+            _run(
+                [
+                    which("mungekey") or "/usr/sbin/mungekey",
+                    "--create",
+                    "--keyfile",
+                    str(MUNGE_KEY),
+                ],
+                check=True,
+            )
             shutil.chown(MUNGE_KEY, "munge", "munge")
             os.chmod(MUNGE_KEY, 0o400)
         if self._munge_works():
@@ -273,18 +319,25 @@ class SlurmCluster:
         _run(["runuser", "-u", "munge", "--", which("munged")], env=DAEMON_ENV, check=True)
         self._started_munged = True
         if not wait_until(self._munge_works, 10):
-            raise SlurmError("munged started but `munge -n | unmunge` fails:\n"
-                             + tail("/var/log/munge/munged.log"))
+            raise SlurmError(
+                "munged started but `munge -n | unmunge` fails:\n"
+                + tail("/var/log/munge/munged.log")
+            )
 
     @staticmethod
     def _munge_works():
         try:
-            cred = subprocess.run([which("munge"), "-n"], capture_output=True, timeout=5,
-                                  stdin=subprocess.DEVNULL)
+            cred = subprocess.run(
+                [which("munge"), "-n"], capture_output=True, timeout=5, stdin=subprocess.DEVNULL
+            )
             if cred.returncode != 0:
                 return False
-            return subprocess.run([which("unmunge")], input=cred.stdout, capture_output=True,
-                                  timeout=5).returncode == 0
+            return (
+                subprocess.run(
+                    [which("unmunge")], input=cred.stdout, capture_output=True, timeout=5
+                ).returncode
+                == 0
+            )
         except (OSError, subprocess.TimeoutExpired):
             return False
 
@@ -296,13 +349,15 @@ class SlurmCluster:
             self._conf_backed_up = True
         elif CONF.exists() and not _is_ours(CONF):
             if BACKUP.exists():
-                raise Unavailable(f"{CONF} is not ours and {BACKUP} already exists; move one of "
-                                  "them away by hand")
+                raise Unavailable(
+                    f"{CONF} is not ours and {BACKUP} already exists; move one of them away by hand"
+                )
             self._log(f"{CONF} is not ours: moving it to {BACKUP} until the tests end")
             os.rename(CONF, BACKUP)
             self._conf_backed_up = True
-        text = slurm_conf(self.host, cpu_count(), real_memory_mb(), self.nodes,
-                          self.controller_address)
+        text = slurm_conf(
+            self.host, cpu_count(), real_memory_mb(), self.nodes, self.controller_address
+        )
         tmp = CONF.with_name(CONF.name + ".tmp")
         tmp.write_text(text)
         os.chmod(tmp, 0o644)
@@ -310,8 +365,9 @@ class SlurmCluster:
         self._conf_written = True
 
     def node_state(self, node=None):
-        rc, out = _run([which("sinfo"), "-h", "-N", "-n", node or self.host, "-o", "%T"],
-                       timeout=15)
+        rc, out = _run(
+            [which("sinfo"), "-h", "-N", "-n", node or self.host, "-o", "%T"], timeout=15
+        )
         return out.strip() if rc == 0 else f"(sinfo rc={rc}: {out.strip()})"
 
     def _wait_idle(self, timeout):
@@ -325,32 +381,42 @@ class SlurmCluster:
             for node, state in states.items():
                 # A node remembered as drained/down needs a nudge (ReturnToService=2 covers
                 # "down" after a restart, not an admin drain).
-                if (node not in resumed and any(s in state for s in ("drain", "down"))
-                        and "(" not in state):
+                if (
+                    node not in resumed
+                    and any(s in state for s in ("drain", "down"))
+                    and "(" not in state
+                ):
                     _run([which("scontrol"), "update", f"NodeName={node}", "State=RESUME"])
                     resumed.add(node)
             if not daemon_pids("slurmctld"):
                 raise SlurmError(self._diagnostics(f"slurmctld is not running (nodes: {states})"))
             if len(daemon_pids("slurmd")) < len(self.node_names()):
-                raise SlurmError(self._diagnostics(f"slurmd running {daemon_pids('slurmd')}, "
-                                                   f"not one per node (nodes: {states})"))
+                raise SlurmError(
+                    self._diagnostics(
+                        f"slurmd running {daemon_pids('slurmd')}, "
+                        f"not one per node (nodes: {states})"
+                    )
+                )
             return False
 
         if not wait_until(idle, timeout, 0.5):
-            raise SlurmError(self._diagnostics(f"node(s) not idle after {timeout}s (sinfo says "
-                                               f"{states})"))
+            raise SlurmError(
+                self._diagnostics(f"node(s) not idle after {timeout}s (sinfo says {states})")
+            )
 
     def _diagnostics(self, headline):
-        _, info = _run([which("scontrol"), "show", "node", ",".join(self.node_names())],
-                       timeout=10)
+        _, info = _run([which("scontrol"), "show", "node", ",".join(self.node_names())], timeout=10)
         logs = "".join(f"\n--- {log}:\n{tail(log)}" for log in self._slurmd_logs())
-        return (f"{headline}\n--- scontrol show node:\n{info}\n--- {SLURMCTLD_LOG}:\n"
-                f"{tail(SLURMCTLD_LOG)}{logs}")
+        return (
+            f"{headline}\n--- scontrol show node:\n{info}\n--- {SLURMCTLD_LOG}:\n"
+            f"{tail(SLURMCTLD_LOG)}{logs}"
+        )
 
     # -- jobs ------------------------------------------------------------------------------
 
-    def sbatch(self, script, *args, out_dir, sbatch_args=(), env=None, timeout=180,
-               separate_error=False):
+    def sbatch(
+        self, script, *args, out_dir, sbatch_args=(), env=None, timeout=180, separate_error=False
+    ):
         """`sbatch --wait -o OUT_DIR/out.%j [-e OUT_DIR/err.%j] SBATCH_ARGS SCRIPT ARGS` from the
         repository root. On timeout the job is cancelled and TimeoutExpired re-raised."""
         out_dir = Path(out_dir)
@@ -369,6 +435,7 @@ class SlurmCluster:
         for word in proc.stdout.split():
             if word.isdigit():
                 job_id = word
+
         def read(prefix):
             if job_id is None:
                 return ""
@@ -376,15 +443,24 @@ class SlurmCluster:
                 return (out_dir / f"{prefix}.{job_id}").read_text(errors="replace")
             except OSError as e:
                 return f"({prefix}.{job_id}: {e.strerror})"
-        return Job(job_id, proc.returncode, proc.stdout + proc.stderr, read("out"),
-                   read("err") if separate_error else "", proc.seconds)
+
+        return Job(
+            job_id,
+            proc.returncode,
+            proc.stdout + proc.stderr,
+            read("out"),
+            read("err") if separate_error else "",
+            proc.seconds,
+        )
 
     # -- stop ------------------------------------------------------------------------------
 
     def _stop_slurm_daemons(self, timeout=30):
         """scontrol shutdown; if a daemon outlives it, SIGTERM then SIGKILL it by its pid."""
+
         def running():
             return daemon_pids("slurmctld") + daemon_pids("slurmd")
+
         if daemon_pids("slurmctld"):
             _run([which("scontrol"), "shutdown"], timeout=15)
         if not wait_while(running, timeout):

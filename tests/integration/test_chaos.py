@@ -17,13 +17,24 @@ def reference():
     return chaos.reference(N)
 
 
-@pytest.mark.parametrize("fault, rank, step", [
-    ("kill", 2, 3), ("term", 1, 2), ("raise", 0, 4), ("datapath", 1, 3), ("stall", 2, 5),
-    ("disk", 1, 2), ("corrupt", 0, 4)])
+@pytest.mark.parametrize(
+    "fault, rank, step",
+    [
+        ("kill", 2, 3),
+        ("term", 1, 2),
+        ("raise", 0, 4),
+        ("datapath", 1, 3),
+        ("stall", 2, 5),
+        ("disk", 1, 2),
+        ("corrupt", 0, 4),
+    ],
+)
 def test_fault_ends_in_time_and_resumes_bitwise(reference, fault, rank, step):
     if fault == "disk" and os.geteuid() != 0:
         skip_or_fail("a small tmpfs for the full-disk fault", "mounting one needs root")
     got = chaos.trial(N, fault, rank, step, reference)
     bad = [k for k, ok in got.items() if not k.startswith("_") and not ok]
-    assert not bad, f"{fault} on rank {rank} at step {step}: {bad} " \
+    assert not bad, (
+        f"{fault} on rank {rank} at step {step}: {bad} "
         f"({got['_seconds']:.1f} s after the fault)\n{got['_output'][-4000:]}"
+    )

@@ -18,8 +18,9 @@ def _version_on_disk(path):
     payload = torch.load(path, weights_only=True)
     state = payload["state"]
     version = state["version"]
-    torn = [k for k, t in state["tensors"].items() if not torch.equal(t, torch.full_like(t,
-                                                                                         version))]
+    torn = [
+        k for k, t in state["tensors"].items() if not torch.equal(t, torch.full_like(t, version))
+    ]
     assert not torn, f"tensors {torn} do not hold version {version}"
     return version
 
@@ -35,17 +36,22 @@ def test_sigkill_during_save_always_leaves_the_previous_or_the_new_checkpoint(tm
     seconds = float(re.search(r"rank 0: saved version 1 in ([0-9.]+) s", first.stdout).group(1))
     size = path.stat().st_size
     rng = random.Random(20261122)
-    plan = [("bytes", size // 3), ("delay", rng.uniform(0, 1.5 * seconds)),
-            ("bytes", size * 2 // 3), ("delay", rng.uniform(0, 1.5 * seconds)),
-            ("delay", rng.uniform(0, 1.5 * seconds))]
+    plan = [
+        ("bytes", size // 3),
+        ("delay", rng.uniform(0, 1.5 * seconds)),
+        ("bytes", size * 2 // 3),
+        ("delay", rng.uniform(0, 1.5 * seconds)),
+        ("delay", rng.uniform(0, 1.5 * seconds)),
+    ]
     good, outcomes = 1, []
     for version, (mode, value) in enumerate(plan, start=2):
         res = run(2, KILL_SCRIPT, path, version, mode, value, timeout=180)
         where = f"round {version} ({mode} {value}, first save took {seconds:.3f} s)"
         assert res.returncode != 0, f"{where}: the job was not killed\n{res.output}"
         for rank in (0, 1):
-            assert f"rank {rank}: loaded version {good} consistent True" in res.stdout, \
+            assert f"rank {rank}: loaded version {good} consistent True" in res.stdout, (
                 f"{where}\n{res.output}"
+            )
         found = _version_on_disk(path)
         assert found in (good, version), f"{where}: version {found} on disk"
         if mode == "bytes":
@@ -88,8 +94,16 @@ def test_save_kill_resume_repeats_the_uninterrupted_run_bitwise(tmp_path):
 
 def test_elastic_run_resumes_a_restarted_job_from_the_last_commit(tmp_path):
     script = SCRIPTS / "elastic_train.py"
-    ref = run(2, script, 30, 5, 0, tmp_path / "ref.pt", timeout=240,
-              env={"MPIDP_ELASTIC_CHECKPOINT": str(tmp_path / "ref_commit.pt")})
+    ref = run(
+        2,
+        script,
+        30,
+        5,
+        0,
+        tmp_path / "ref.pt",
+        timeout=240,
+        env={"MPIDP_ELASTIC_CHECKPOINT": str(tmp_path / "ref_commit.pt")},
+    )
     assert ref.returncode == 0, ref.output
     assert "rank 0: start at step 0 epoch 0" in ref.stdout and "reset callback" not in ref.stdout
     env = {"MPIDP_ELASTIC_CHECKPOINT": str(tmp_path / "commit.pt")}

@@ -23,6 +23,7 @@ def _lines(text, pattern):
 
 # ---- synthetic_benchmark.py ----
 
+
 def _check_benchmark_output(res, ranks, iters):
     assert res.returncode == 0, res.output
     out = res.stdout
@@ -40,18 +41,42 @@ def _check_benchmark_output(res, ranks, iters):
 
 
 def test_synthetic_benchmark_two_ranks_fp16():
-    res = run(2, EXAMPLES / "synthetic_benchmark.py", "--batch-size", 2,
-              "--num-warmup-batches", 1, "--num-batches-per-iter", 2, "--num-iters", 3,
-              "--fp16-allreduce", timeout=240)
+    res = run(
+        2,
+        EXAMPLES / "synthetic_benchmark.py",
+        "--batch-size",
+        2,
+        "--num-warmup-batches",
+        1,
+        "--num-batches-per-iter",
+        2,
+        "--num-iters",
+        3,
+        "--fp16-allreduce",
+        timeout=240,
+    )
     out = _check_benchmark_output(res, ranks=2, iters=3)
     assert "Number of ranks: 2, torch threads per rank:" in out
     assert "Gradient exchange: mpidp.DistributedOptimizer, fp16 compression" in out, out
 
 
 def test_synthetic_benchmark_single_process_baseline():
-    res = run(1, EXAMPLES / "synthetic_benchmark.py", "--no-mpidp", "--threads", 1,
-              "--batch-size", 2, "--num-warmup-batches", 1, "--num-batches-per-iter", 2,
-              "--num-iters", 2, timeout=240)
+    res = run(
+        1,
+        EXAMPLES / "synthetic_benchmark.py",
+        "--no-mpidp",
+        "--threads",
+        1,
+        "--batch-size",
+        2,
+        "--num-warmup-batches",
+        1,
+        "--num-batches-per-iter",
+        2,
+        "--num-iters",
+        2,
+        timeout=240,
+    )
     out = _check_benchmark_output(res, ranks=1, iters=2)
     assert "Number of ranks: 1, torch threads per rank: 1" in out, out
     assert "Gradient exchange: none (--no-mpidp)" in out, out
@@ -72,19 +97,47 @@ def test_bucket_sweep_writes_csv_and_png(tmp_path):
     csv_path, png_path = tmp_path / "sweep.csv", tmp_path / "sweep.png"
     sizes = [0, 4 * 1024, 64 * 1024, 1024 * 1024]
     batch = 8
-    res = run(2, EXAMPLES / "bucket_sweep.py", "--model", "mlp", "--mlp-width", 256,
-              "--mlp-depth", 3, "--batch-size", batch, "--rounds", 2, "--steps", 3,
-              "--warmup", 1, "--sizes", "0,4K,64K,1M", "--csv", csv_path, "--png", png_path,
-              timeout=240)
+    res = run(
+        2,
+        EXAMPLES / "bucket_sweep.py",
+        "--model",
+        "mlp",
+        "--mlp-width",
+        256,
+        "--mlp-depth",
+        3,
+        "--batch-size",
+        batch,
+        "--rounds",
+        2,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        "--sizes",
+        "0,4K,64K,1M",
+        "--csv",
+        csv_path,
+        "--png",
+        png_path,
+        timeout=240,
+    )
     assert res.returncode == 0, res.output
     assert "2 rank(s)" in res.stdout and "no communication:" in res.stdout, res.output
     assert f"wrote {csv_path}" in res.stdout and f"wrote {png_path}" in res.stdout, res.output
 
     with open(csv_path, newline="") as f:
         reader = csv.DictReader(f)
-        assert reader.fieldnames == ["fusion_bytes", "step_ms", "samples_per_s",
-                                     "comm_fraction", "ranks", "engine_busy", "bytes_per_step",
-                                     "tensors_per_collective"]
+        assert reader.fieldnames == [
+            "fusion_bytes",
+            "step_ms",
+            "samples_per_s",
+            "comm_fraction",
+            "ranks",
+            "engine_busy",
+            "bytes_per_step",
+            "tensors_per_collective",
+        ]
         rows = list(reader)
     assert [int(r["fusion_bytes"]) for r in rows] == sizes, rows
     for r in rows:
@@ -107,6 +160,7 @@ def test_bucket_sweep_writes_csv_and_png(tmp_path):
 
 # ---- train.py ----
 
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_train_then_resume(tmp_path, n):
     ck = tmp_path / "ck.pt"
@@ -117,8 +171,7 @@ def test_train_then_resume(tmp_path, n):
     assert float(final.group(1)) > 0.5, res.stdout
     assert ck.exists()
 
-    res = run(n, EXAMPLES / "train.py", "--epochs", 4, "--checkpoint", ck, "--resume",
-              timeout=240)
+    res = run(n, EXAMPLES / "train.py", "--epochs", 4, "--checkpoint", ck, "--resume", timeout=240)
     assert res.returncode == 0, res.output
     assert "resuming after epoch 3" in res.stdout, res.output
     epochs = [int(m.group(1)) for m in _lines(res.stdout, r"epoch\s+(\d+)/4\s.*")]

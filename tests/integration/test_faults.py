@@ -76,14 +76,17 @@ def test_killed_rank_ends_the_job_within_bound(n):
 
 def test_stalled_rank_shuts_the_engine_down_and_ends_the_job():
     limit = 3
-    res, secs = _launch(3, "stall", 2, env={"MPIDP_STALL_WARNING_S": "1",
-                                            "MPIDP_STALL_SHUTDOWN_S": str(limit)})
+    res, secs = _launch(
+        3, "stall", 2, env={"MPIDP_STALL_WARNING_S": "1", "MPIDP_STALL_SHUTDOWN_S": str(limit)}
+    )
     assert res.returncode != 0, res.output
     assert secs < limit + BOUND_S, f"job took {secs:.1f} s to end after the stall:\n{res.output}"
     assert "missing ranks 2" in res.stderr, res.output  # the warning names the missing rank
-    assert re.search(r"EngineShutdownError: stall: op '[^']+' waited [0-9.]+ s for ranks 2 "
-                     rf"\(submitted by 0,1\).*; MPIDP_STALL_SHUTDOWN_S={limit}:", res.stderr), \
-        res.output
+    assert re.search(
+        r"EngineShutdownError: stall: op '[^']+' waited [0-9.]+ s for ranks 2 "
+        rf"\(submitted by 0,1\).*; MPIDP_STALL_SHUTDOWN_S={limit}:",
+        res.stderr,
+    ), res.output
     assert "finished" not in res.stdout
 
 
@@ -92,8 +95,9 @@ def test_engine_failure_fails_later_ops_and_ends_the_job():
     assert res.returncode != 0, res.output
     assert secs < BOUND_S, f"job took {secs:.1f} s to end after the engine failed:\n{res.output}"
     assert "OSError: injected engine failure" in res.stderr, res.output
-    assert ("rank 1: later op failed: mpidp's engine failed on rank 1: OSError: injected "
-            "engine failure") in res.stdout, res.output
+    assert (
+        "rank 1: later op failed: mpidp's engine failed on rank 1: OSError: injected engine failure"
+    ) in res.stdout, res.output
     assert "finished" not in res.stdout
 
 
@@ -115,8 +119,10 @@ def test_data_path_failure_on_one_rank_ends_the_job(abort_on_error):
     res, secs = _launch(3, "datapath", 1, env={"MPIDP_ABORT_ON_ERROR": abort_on_error})
     assert res.returncode != 0, res.output
     assert secs < BOUND_S, f"job took {secs:.1f} s to end after the failure:\n{res.output}"
-    assert ("the data path failed on rank 1 with MemoryError: injected failure while packing "
-            "a fusion buffer") in res.output, res.output
+    assert (
+        "the data path failed on rank 1 with MemoryError: injected failure while packing "
+        "a fusion buffer"
+    ) in res.output, res.output
     assert "finished" not in res.stdout, res.output
 
 
@@ -125,10 +131,16 @@ def _interrupt(target: str, mode: str = "idle", *args):
     group (what Ctrl-C in a terminal does), to rank 2 alone, or to ranks 1 and 2 ("peers");
     returns (exit code, output, seconds to the end)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([mpiexec(), "-n", "3", sys.executable,
-                             str(SCRIPTS / "interrupt.py"), mode, *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=str(ROOT), stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [mpiexec(), "-n", "3", sys.executable, str(SCRIPTS / "interrupt.py"), mode, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(ROOT),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     pids, lines = {}, []
     try:
         while len(pids) < 3:
@@ -147,7 +159,7 @@ def _interrupt(target: str, mode: str = "idle", *args):
         if target == "job":
             os.killpg(proc.pid, signal.SIGINT)
         else:
-            for r in ((1, 2) if target == "peers" else (2,)):
+            for r in (1, 2) if target == "peers" else (2,):
                 os.kill(pids[r], signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         return proc.returncode, "".join(lines) + out, time.time() - began

@@ -16,7 +16,7 @@ from .launch import ROOT, mpiexec
 
 pytestmark = pytest.mark.timeout(300)
 
-JOB = '''\
+JOB = """\
 import sys
 import torch
 import mpidp
@@ -28,7 +28,7 @@ print(f"rank {mpidp.rank()}/{mpidp.size()}: fusion={cfg.fusion_threshold_bytes} 
       f"cycle={cfg.cycle_time_ms} sum={total.item():g}", flush=True)
 mpidp.shutdown()
 sys.exit(int(sys.argv[1]))
-'''
+"""
 
 
 def _launcher():
@@ -40,8 +40,15 @@ def _launcher():
 def _mpidprun(*args, timeout=180):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([*_launcher(), *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(ROOT), stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [*_launcher(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(ROOT),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture
@@ -54,19 +61,46 @@ def job(tmp_path):
 def test_two_ranks_from_a_horovod_hostfile_with_knob_flags_and_verbose(job, tmp_path):
     timeline = tmp_path / "timeline.json"
     hostfile = ROOT / "hostfiles" / "localhost.openmpi"  # horovodrun's 'localhost slots=4'
-    proc = _mpidprun("--verbose", "--hostfile", hostfile, "-np", 2, "--fusion-threshold-mb", 3,
-                     "--cycle-time-ms", 0.5, "--timeline-filename", timeline,
-                     sys.executable, job, 0)
+    proc = _mpidprun(
+        "--verbose",
+        "--hostfile",
+        hostfile,
+        "-np",
+        2,
+        "--fusion-threshold-mb",
+        3,
+        "--cycle-time-ms",
+        0.5,
+        "--timeline-filename",
+        timeline,
+        sys.executable,
+        job,
+        0,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     for rank in range(2):
         assert f"rank {rank}/2: fusion={3 * 1024 * 1024} cycle=0.5 sum=3" in proc.stdout, out
     # The first line on stderr is the command mpidprun ran, as a shell would split it.
     assert shlex.split(proc.stderr.splitlines()[0]) == [
-        mpiexec(), "-n", "2", "-hosts", "localhost:4",
-        "-genv", "MPIDP_FUSION_THRESHOLD_BYTES", str(3 * 1024 * 1024),
-        "-genv", "MPIDP_CYCLE_TIME_MS", "0.5", "-genv", "MPIDP_TIMELINE", str(timeline),
-        sys.executable, str(job), "0"], out
+        mpiexec(),
+        "-n",
+        "2",
+        "-hosts",
+        "localhost:4",
+        "-genv",
+        "MPIDP_FUSION_THRESHOLD_BYTES",
+        str(3 * 1024 * 1024),
+        "-genv",
+        "MPIDP_CYCLE_TIME_MS",
+        "0.5",
+        "-genv",
+        "MPIDP_TIMELINE",
+        str(timeline),
+        sys.executable,
+        str(job),
+        "0",
+    ], out
     # The timeline knob reached rank 0, which wrote the op into it.
     assert "mpidprun.sum" in timeline.read_text(), out
 
@@ -81,6 +115,7 @@ def test_exit_code_of_the_job_is_passed_through(job):
 
 def test_check_build_lists_what_is_there_and_launches_nothing():
     import torch.distributed as dist
+
     proc = _mpidprun("--check-build")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -95,12 +130,17 @@ def test_check_build_lists_what_is_there_and_launches_nothing():
     assert f"Launcher: {mpiexec()} (mpich)" in out, out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["-np", 0, sys.executable, "-c", "pass"], "-np must be >= 1, not 0"),
-    (["-np", 2, "-H", "localhost", sys.executable, "-c", "pass"],
-     "-H: 'localhost' is not host:slots"),
-    (["-np", 2, "--gloo", sys.executable, "-c", "pass"], "MPIDP_BACKEND=gloo"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-np", 0, sys.executable, "-c", "pass"], "-np must be >= 1, not 0"),
+        (
+            ["-np", 2, "-H", "localhost", sys.executable, "-c", "pass"],
+            "-H: 'localhost' is not host:slots",
+        ),
+        (["-np", 2, "--gloo", sys.executable, "-c", "pass"], "MPIDP_BACKEND=gloo"),
+    ],
+)
 def test_bad_input_exits_2_with_the_reason_and_starts_no_rank(args, message):
     proc = _mpidprun(*args, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -112,6 +152,11 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "mpidprun"
     if not script.exists():
         pytest.skip(f"{script} is not installed (pip install -e . installs it)")
-    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [str(script), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "mpidprun (mpidp) 0.1.0", proc

@@ -72,25 +72,50 @@ def _template_hostfile(tmp_path, syntax, slots):
 
 # -- topology and collectives --------------------------------------------------------------------
 
+
 def test_hostfile_over_ssh_topology_and_collectives(clean, tmp_path):
     hostfile = _template_hostfile(tmp_path, "mpich", 2)
-    res = clean.mpiexec("-f", hostfile, "-n", 4, PY, CHECK, "hosta,hostb", 2,
-                        "--tcp-to", _tcp_to(clean), timeout=120)
+    res = clean.mpiexec(
+        "-f",
+        hostfile,
+        "-n",
+        4,
+        PY,
+        CHECK,
+        "hosta,hostb",
+        2,
+        "--tcp-to",
+        _tcp_to(clean),
+        timeout=120,
+    )
     _passed(res, 4)
 
 
 def test_hierarchical_allreduce_uses_the_real_hosts(clean):
-    res = clean.mpiexec("-hosts", "hosta:2,hostb:2", "-n", 4, PY, CHECK, "hosta,hostb", 2,
-                        "--hierarchical", "--tcp-to", _tcp_to(clean), timeout=120,
-                        env=clean.env(MPIDP_HIERARCHICAL_ALLREDUCE="1"))
+    res = clean.mpiexec(
+        "-hosts",
+        "hosta:2,hostb:2",
+        "-n",
+        4,
+        PY,
+        CHECK,
+        "hosta,hostb",
+        2,
+        "--hierarchical",
+        "--tcp-to",
+        _tcp_to(clean),
+        timeout=120,
+        env=clean.env(MPIDP_HIERARCHICAL_ALLREDUCE="1"),
+    )
     _passed(res, 4)
 
 
 def test_doctor_across_three_hosts_from_the_template(clean, tmp_path):
     """The check docs/clusters.md and the template prescribe for a new set-up, 1 rank per host."""
     hostfile = _template_hostfile(tmp_path, "mpich", 4)
-    res = clean.mpiexec("-f", hostfile, "-ppn", 1, "-n", 3, PY, "-m", "mpidp", "doctor",
-                        timeout=120)
+    res = clean.mpiexec(
+        "-f", hostfile, "-ppn", 1, "-n", 3, PY, "-m", "mpidp", "doctor", timeout=120
+    )
     assert res.returncode == 0, res.output
     assert "3 rank(s), 1 on this host, 3 host(s)" in res.stdout, res.output
     assert "all checks passed" in res.stdout, res.output
@@ -98,25 +123,42 @@ def test_doctor_across_three_hosts_from_the_template(clean, tmp_path):
 
 # -- mpidprun ------------------------------------------------------------------------------------
 
+
 def _mpidprun():
     script = os.path.join(os.path.dirname(PY), "mpidprun")
     return [script] if os.path.exists(script) else [PY, "-m", "mpidp.tools.launcher"]
 
 
 def test_mpidprun_with_hosts(clean):
-    res = clean.run([*_mpidprun(), "-np", 4, "-H", "hosta:2,hostb:2", PY, CHECK, "hosta,hostb",
-                     2, "--tcp-to", _tcp_to(clean)], timeout=120)
+    res = clean.run(
+        [
+            *_mpidprun(),
+            "-np",
+            4,
+            "-H",
+            "hosta:2,hostb:2",
+            PY,
+            CHECK,
+            "hosta,hostb",
+            2,
+            "--tcp-to",
+            _tcp_to(clean),
+        ],
+        timeout=120,
+    )
     _passed(res, 4)
 
 
 def test_mpidprun_with_a_horovod_hostfile_from_the_template(clean, tmp_path):
     hostfile = _template_hostfile(tmp_path, "openmpi", 2)  # horovodrun's `host slots=N`
-    res = clean.run([*_mpidprun(), "-np", 4, "--hostfile", hostfile, PY, CHECK, "hosta,hostb",
-                     2], timeout=120)
+    res = clean.run(
+        [*_mpidprun(), "-np", 4, "--hostfile", hostfile, PY, CHECK, "hosta,hostb", 2], timeout=120
+    )
     _passed(res, 4)
 
 
 # -- training ------------------------------------------------------------------------------------
+
 
 def _final_accuracy(res):
     assert res.returncode == 0, res.output
@@ -126,17 +168,36 @@ def _final_accuracy(res):
 
 def test_train_across_hosts_matches_one_host_then_resumes(clean, tmp_path):
     args = (PY, TRAIN, "--epochs", 3)
-    one = clean.mpiexec("-hosts", "hosta:4", "-n", 4, *args, "--checkpoint",
-                        tmp_path / "one.pt", timeout=180)
-    two = clean.mpiexec("-hosts", "hosta:2,hostb:2", "-n", 4, *args, "--checkpoint",
-                        tmp_path / "two.pt", timeout=180)
+    one = clean.mpiexec(
+        "-hosts", "hosta:4", "-n", 4, *args, "--checkpoint", tmp_path / "one.pt", timeout=180
+    )
+    two = clean.mpiexec(
+        "-hosts",
+        "hosta:2,hostb:2",
+        "-n",
+        4,
+        *args,
+        "--checkpoint",
+        tmp_path / "two.pt",
+        timeout=180,
+    )
     assert "with 4 rank(s)" in two.stdout, two.output
     single, multi = _final_accuracy(one), _final_accuracy(two)
     # Same seeds and shards (the floor is test_examples.py's for 3 epochs): only the order
     # of the summations in the reductions may differ.
     assert multi > 0.5 and abs(multi - single) <= 0.02, (single, multi)
-    res = clean.mpiexec("-hosts", "hostb:2,hostc:2", "-n", 4, *args[:3], 4, "--checkpoint",
-                        tmp_path / "two.pt", "--resume", timeout=180)
+    res = clean.mpiexec(
+        "-hosts",
+        "hostb:2,hostc:2",
+        "-n",
+        4,
+        *args[:3],
+        4,
+        "--checkpoint",
+        tmp_path / "two.pt",
+        "--resume",
+        timeout=180,
+    )
     assert "resuming after epoch 3" in res.stdout, res.output
     epochs = re.findall(r"^epoch\s+(\d+)/4\s", res.stdout, re.M)
     assert epochs == ["4"], res.stdout
@@ -166,14 +227,17 @@ def test_checkpoint_kill_resume_across_hosts_is_bitwise(clean, tmp_path):
 
 # -- faults --------------------------------------------------------------------------------------
 
+
 class _Job:
     """A launch running in the background, its output read as it comes."""
 
     def __init__(self, cluster, *args, env=None):
         self.proc = cluster.start_job(args, env=env)
         self.out, self.err = [], []
-        self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
-                         for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(s, b), daemon=True)
+            for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for r in self._readers:
             r.start()
 
@@ -185,8 +249,9 @@ class _Job:
     def wait_for(self, text, timeout=60):
         deadline = time.monotonic() + timeout
         while not any(text in line for line in list(self.out)):
-            assert self.proc.poll() is None and time.monotonic() < deadline, \
+            assert self.proc.poll() is None and time.monotonic() < deadline, (
                 f"never saw {text!r}:\n{self.output}"
+            )
             time.sleep(0.05)
 
     def finish(self, timeout):
@@ -208,13 +273,26 @@ class _Job:
 
 
 def _fault_job(cluster, steps):
-    return _Job(cluster, "-hosts", "hosta:2,hostb:2", "-n", 4, PY, FAULTS, "none", "--steps",
-                steps)
+    return _Job(cluster, "-hosts", "hosta:2,hostb:2", "-n", 4, PY, FAULTS, "none", "--steps", steps)
 
 
 def test_killed_rank_on_the_second_host_ends_the_job(clean):
-    job = _Job(clean, "-hosts", "hosta:2,hostb:2", "-n", 4, PY, FAULTS, "kill", "--rank", 3,
-               "--step", 5, "--steps", 400)
+    job = _Job(
+        clean,
+        "-hosts",
+        "hosta:2,hostb:2",
+        "-n",
+        4,
+        PY,
+        FAULTS,
+        "kill",
+        "--rank",
+        3,
+        "--step",
+        5,
+        "--steps",
+        400,
+    )
     job.wait_for("rank 3: injecting kill at step 5")
     rc, secs = job.finish(timeout=60)
     assert rc != 0, job.output

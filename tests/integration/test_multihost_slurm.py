@@ -15,9 +15,9 @@ import pytest
 
 from mpidp.config import LAUNCHER_PREFIXES
 
+from .cluster_kit import start_or_skip, which
 from .launch import SCRIPTS
 from .multihost_cluster import SUBNET, started
-from .cluster_kit import start_or_skip, which
 from .slurm_cluster import Node, SlurmCluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
@@ -31,8 +31,12 @@ def cluster():
     hosts = started(2, "a multi-node Slurm test cluster")
     try:
         nodes = [Node(h.name, h.address, hosts.enter(h.name)) for h in hosts.hosts]
-        slurm = start_or_skip(SlurmCluster(nodes=nodes, controller_address=f"{SUBNET}.1"),
-                              "a multi-node Slurm test cluster", timeout=60, lock_timeout=300)
+        slurm = start_or_skip(
+            SlurmCluster(nodes=nodes, controller_address=f"{SUBNET}.1"),
+            "a multi-node Slurm test cluster",
+            timeout=60,
+            lock_timeout=300,
+        )
         try:
             yield hosts, slurm
         finally:
@@ -54,25 +58,47 @@ def job_env(hosts):
     properly terminated in client request" and "invalid client request", and the job fails in
     MPI_Init or hangs. With lo in the addresses as well, 4 of 6 launches of the check script
     failed so; with eth0 only, none of 15 (docs/clusters.md, section 10)."""
-    return {k: v for k, v in hosts.env(UCX_TLS="self,tcp", UCX_NET_DEVICES="eth0").items()
-            if not k.startswith(LAUNCHER_PREFIXES + ("PYTEST_",))}
+    return {
+        k: v
+        for k, v in hosts.env(UCX_TLS="self,tcp", UCX_NET_DEVICES="eth0").items()
+        if not k.startswith(LAUNCHER_PREFIXES + ("PYTEST_",))
+    }
 
 
 # What slurmstepd says when its pmi2 plugin split a request (job_env's docstring). A launch that
 # failed with one of these is Slurm's bug, not mpidp's: it is tried again, twice at most.
-PMI_SPLIT = ("value not properly terminated in client request", "invalid client request",
-             "request not begin with 'cmd='")
+PMI_SPLIT = (
+    "value not properly terminated in client request",
+    "invalid client request",
+    "request not begin with 'cmd='",
+)
 
 
 def test_srun_pmi2_over_two_nodes_topology_and_collectives(cluster):
     hosts, _ = cluster
     tcp_to = ",".join(f"{h.name}={h.address}" for h in hosts.hosts)
     for _ in range(3):
-        res = hosts.run([which("srun"), "--mpi=pmi2", "-N", 2, "-n", 4, "--overcommit",
-                         "--kill-on-bad-exit=1", PY, CHECK, "hosta,hostb", 2, "--tcp-to",
-                         tcp_to], timeout=60, env=job_env(hosts))
+        res = hosts.run(
+            [
+                which("srun"),
+                "--mpi=pmi2",
+                "-N",
+                2,
+                "-n",
+                4,
+                "--overcommit",
+                "--kill-on-bad-exit=1",
+                PY,
+                CHECK,
+                "hosta,hostb",
+                2,
+                "--tcp-to",
+                tcp_to,
+            ],
+            timeout=60,
+            env=job_env(hosts),
+        )
         if res.returncode == 0 or not any(s in res.output for s in PMI_SPLIT):
             break
     assert res.returncode == 0, res.output
     assert res.stdout.count("all checks passed") == 4, res.output
-

@@ -25,8 +25,9 @@ def test_profile_rate_and_round_trip_are_measured(cluster):
     found = cluster.check(seconds=0.5, pings=100)
     assert set(found) == {"hosta", "hostb", "hosta->hostb"}, found
     for path, m in found.items():
-        rates = [m["rate_from_bit_s"], m["rate_to_bit_s"]] if "->" not in path else [
-            m["rate_bit_s"]]
+        rates = (
+            [m["rate_from_bit_s"], m["rate_to_bit_s"]] if "->" not in path else [m["rate_bit_s"]]
+        )
         assert all(_within(r, prof.rate_bit_s) for r in rates), (path, m)
         # host to host crosses two shaped devices, each adding half the one-way delay
         crossed = 4 if "->" in path else 2

@@ -27,7 +27,7 @@ TRAIN = SCRIPTS / "net_train.py"
 PY = sys.executable
 HOSTS = ("-hosts", "hosta:1,hostb:1", "-n", 2)
 STEPS = 80
-PAUSE = "0.05"        # seconds between steps: the job runs for about 4 s
+PAUSE = "0.05"  # seconds between steps: the job runs for about 4 s
 SHUTDOWN_S = 10
 
 
@@ -49,8 +49,7 @@ def clean(cluster):
 
 
 def _train(cluster, out, *extra, env=None):
-    return _Job(cluster, *HOSTS, PY, TRAIN, STEPS, out, "--pause", PAUSE, *map(str, extra),
-                env=env)
+    return _Job(cluster, *HOSTS, PY, TRAIN, STEPS, out, "--pause", PAUSE, *map(str, extra), env=env)
 
 
 def _equal_params(a, b):
@@ -69,30 +68,42 @@ def reference(cluster, tmp_path_factory):
 
 
 def _stall_env(cluster, warning_s, shutdown_s):
-    return cluster.env(MPIDP_STALL_WARNING_S=str(warning_s),
-                       MPIDP_STALL_SHUTDOWN_S=str(shutdown_s))
+    return cluster.env(MPIDP_STALL_WARNING_S=str(warning_s), MPIDP_STALL_SHUTDOWN_S=str(shutdown_s))
 
 
 def test_link_down_ends_the_job_naming_the_peers_and_the_checkpoint_resumes_bitwise(
-        clean, reference, tmp_path):
+    clean, reference, tmp_path
+):
     ckpt = tmp_path / "ckpt.pt"
-    job = _train(clean, tmp_path / "never.pt", "--ckpt", ckpt, "--every", 10,
-                 env=_stall_env(clean, 2, SHUTDOWN_S))
+    job = _train(
+        clean,
+        tmp_path / "never.pt",
+        "--ckpt",
+        ckpt,
+        "--every",
+        10,
+        env=_stall_env(clean, 2, SHUTDOWN_S),
+    )
     job.wait_for("rank 1: step 25 done")
     clean.link_down("hostb")
     rc, secs = job.finish(timeout=60)
     assert rc != 0, job.output
-    assert secs < SHUTDOWN_S + NEGOTIATION_SLACK_S + 5, \
+    assert secs < SHUTDOWN_S + NEGOTIATION_SLACK_S + 5, (
         f"the job took {secs:.1f} s to end:\n{job.output}"
-    assert re.search(r"\[mpidp 0/2 hosta\] CRITICAL: stall: rank 0 has waited [0-9.]+ s in a "
-                     r".* \(ranks on other hosts: 1 \(hostb\)\)", job.output), job.output
+    )
+    assert re.search(
+        r"\[mpidp 0/2 hosta\] CRITICAL: stall: rank 0 has waited [0-9.]+ s in a "
+        r".* \(ranks on other hosts: 1 \(hostb\)\)",
+        job.output,
+    ), job.output
     assert "rank 0: finished" not in job.output
     # hydra may join two ranks' lines into one: no anchors
     saved = [int(s) for s in re.findall(r"rank 0: saved at step (\d+)", "".join(job.out))]
     assert saved and saved[-1] >= 20, job.output
     clean.link_up("hostb")
-    resumed = _Job(clean, *HOSTS, PY, TRAIN, STEPS, tmp_path / "resumed.pt", "--ckpt", ckpt,
-                   "--resume")
+    resumed = _Job(
+        clean, *HOSTS, PY, TRAIN, STEPS, tmp_path / "resumed.pt", "--ckpt", ckpt, "--resume"
+    )
     rc, _ = resumed.finish(timeout=120)
     assert rc == 0, resumed.output
     assert f"rank 1: resumed at step {saved[-1]}" in resumed.output, resumed.output
@@ -111,10 +122,12 @@ def test_a_link_at_1_mbit_is_reported_and_the_job_finishes_when_it_recovers(clea
     rc, _ = job.finish(timeout=90)
     assert rc == 0 and "".join(job.out).count("finished") == 2, job.output
     # Either side waits on the other: each names the ranks of the other host.
-    assert re.search(r"WARNING: stall: rank (0 has waited [0-9.]+ s in a .* \(ranks on other "
-                     r"hosts: 1 \(hostb\)\)|1 has waited [0-9.]+ s in a .* \(ranks on other "
-                     r"hosts: 0 \(hosta\)\))",
-                     job.output), job.output
+    assert re.search(
+        r"WARNING: stall: rank (0 has waited [0-9.]+ s in a .* \(ranks on other "
+        r"hosts: 1 \(hostb\)\)|1 has waited [0-9.]+ s in a .* \(ranks on other "
+        r"hosts: 0 \(hosta\)\))",
+        job.output,
+    ), job.output
 
 
 def test_lossy_links_give_the_same_result(clean, reference, tmp_path):
@@ -125,8 +138,7 @@ def test_lossy_links_give_the_same_result(clean, reference, tmp_path):
     assert _equal_params(reference, tmp_path / "lossy.pt")
 
 
-def test_a_partition_that_heals_within_the_limit_does_not_end_the_job(clean, reference,
-                                                                       tmp_path):
+def test_a_partition_that_heals_within_the_limit_does_not_end_the_job(clean, reference, tmp_path):
     job = _train(clean, tmp_path / "healed.pt", env=_stall_env(clean, 2, SHUTDOWN_S))
     job.wait_for("rank 1: step 20 done")
     clean.link_down("hostb")

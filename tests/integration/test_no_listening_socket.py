@@ -100,8 +100,9 @@ def test_mpidp_adds_no_listening_socket(n, tmp_path):
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in reports) == list(range(n)), res.output
     for r in reports:
-        assert r["probes"] == {"tcp": True, "unix": True}, \
+        assert r["probes"] == {"tcp": True, "unix": True}, (
             f"rank {r['rank']}: the detector missed a socket opened on purpose: {r}"
+        )
         before = {tuple(s) for s in r["before"]}
         added = [s for s in map(tuple, r["during"] + r["after"]) if s not in before]
         assert not added, f"rank {r['rank']}: mpidp added listening sockets {added}"

@@ -31,8 +31,9 @@ pytestmark = pytest.mark.xdist_group("clusters")
 
 @pytest.fixture(scope="module")
 def slurm():
-    cluster = start_or_skip(SlurmCluster(), "Slurm to test the batch scripts with", timeout=60,
-                            lock_timeout=300)
+    cluster = start_or_skip(
+        SlurmCluster(), "Slurm to test the batch scripts with", timeout=60, lock_timeout=300
+    )
     yield cluster
     cluster.stop()  # raises if a daemon it started is still running
 
@@ -41,12 +42,20 @@ def job_env(**extra):
     """The test's environment without the venv in PATH and without launcher or pytest variables
     (the job's pytest must not inherit PYTEST_ADDOPTS, nor srun a surrounding job's SLURM_*)."""
     drop_prefixes = LAUNCHER_PREFIXES + ("PYTEST_",)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(drop_prefixes) and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    venv_bins = {os.path.realpath(ROOT / ".venv" / "bin"),
-                 os.path.realpath(os.path.dirname(sys.executable))}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "/usr/bin:/bin").split(os.pathsep)
-                                  if p and os.path.realpath(p) not in venv_bins)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(drop_prefixes) and k not in ("VIRTUAL_ENV", "PYTHONPATH")
+    }
+    venv_bins = {
+        os.path.realpath(ROOT / ".venv" / "bin"),
+        os.path.realpath(os.path.dirname(sys.executable)),
+    }
+    env["PATH"] = os.pathsep.join(
+        p
+        for p in env.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+        if p and os.path.realpath(p) not in venv_bins
+    )
     if not (ROOT / ".venv" / "bin" / "python").exists():
         env["MPIDP_PYTHON"] = sys.executable  # a venv elsewhere: tell the scripts where
     env.update(extra)
@@ -54,10 +63,19 @@ def job_env(**extra):
 
 
 def submit(cluster, script, *args, tmp_path, sbatch_args=(), env=None, separate_error=False):
-    job = cluster.sbatch(script, *args, out_dir=tmp_path, sbatch_args=sbatch_args,
-                         env=env or job_env(), timeout=JOB_TIMEOUT, separate_error=separate_error)
-    print(f"{os.path.basename(str(script))}: job {job.job_id}, rc={job.returncode}, "
-          f"{job.seconds:.1f}s")
+    job = cluster.sbatch(
+        script,
+        *args,
+        out_dir=tmp_path,
+        sbatch_args=sbatch_args,
+        env=env or job_env(),
+        timeout=JOB_TIMEOUT,
+        separate_error=separate_error,
+    )
+    print(
+        f"{os.path.basename(str(script))}: job {job.job_id}, rc={job.returncode}, "
+        f"{job.seconds:.1f}s"
+    )
     assert job.job_id is not None, job
     # With a job purged before sbatch looked again, `sbatch --wait` says so and exits 0.
     assert "no longer found" not in job.sbatch_output, job
@@ -85,8 +103,13 @@ def training_args(script, tmp_path):
 def test_training_job(slurm, tmp_path, script):
     program, final = training_job()
     extra = {} if program == TRAIN else {"MPIDP_TRAIN": str(program.relative_to(ROOT))}
-    job = submit(slurm, SLURM_DIR / script, *training_args(program, tmp_path), tmp_path=tmp_path,
-                 env=job_env(**extra))
+    job = submit(
+        slurm,
+        SLURM_DIR / script,
+        *training_args(program, tmp_path),
+        tmp_path=tmp_path,
+        env=job_env(**extra),
+    )
     assert job.returncode == 0, job
     lines = [line for line in job.output.splitlines() if line.startswith(final)]
     # Exactly one: in a world of size 1 per task, every task would be "rank 0" and print it.
@@ -95,8 +118,13 @@ def test_training_job(slurm, tmp_path, script):
 
 def test_pytest_job_with_more_ranks_than_cpus(slurm, tmp_path):
     """pytest.sbatch at 3 ranks on the 2-CPU node, which needs --overcommit (-O)."""
-    job = submit(slurm, SLURM_DIR / "pytest.sbatch", "tests/mpi/test_lifecycle.py",
-                 tmp_path=tmp_path, sbatch_args=["-n", "3", "-O"])
+    job = submit(
+        slurm,
+        SLURM_DIR / "pytest.sbatch",
+        "tests/mpi/test_lifecycle.py",
+        tmp_path=tmp_path,
+        sbatch_args=["-n", "3", "-O"],
+    )
     assert job.returncode == 0, job
     closing = re.findall(r"^=+ (.*\bin [0-9.]+s.*) =+$", job.output, re.M)
     assert len(closing) == 3, job  # one per rank
@@ -112,7 +140,8 @@ def test_srun_without_pmi2_runs_lonely_worlds_and_mpidp_says_so(slurm, tmp_path)
         "#!/bin/bash\n"
         "#SBATCH --ntasks=2\n"
         f"srun --mpi=none -n 2 {sys.executable} -c "
-        "'import mpidp; mpidp.init(); print(mpidp.size())'\n")
+        "'import mpidp; mpidp.init(); print(mpidp.size())'\n"
+    )
     job = submit(slurm, script, tmp_path=tmp_path, separate_error=True)
     assert job.returncode == 0, job
     assert job.output.split() == ["1", "1"], job
@@ -123,7 +152,11 @@ def test_srun_without_pmi2_runs_lonely_worlds_and_mpidp_says_so(slurm, tmp_path)
 
 def test_python_override_is_used(slurm, tmp_path):
     """MPIDP_PYTHON replaces the venv's interpreter; a wrong one fails at once, saying why."""
-    job = submit(slurm, SLURM_DIR / "train_srun.sbatch", tmp_path=tmp_path,
-                 env=job_env(MPIDP_PYTHON="/nonexistent/python"))
+    job = submit(
+        slurm,
+        SLURM_DIR / "train_srun.sbatch",
+        tmp_path=tmp_path,
+        env=job_env(MPIDP_PYTHON="/nonexistent/python"),
+    )
     assert job.returncode == 2, job
     assert "no Python at /nonexistent/python" in job.output, job

@@ -14,7 +14,7 @@ ENV_SCRIPT = ROOT / "tests" / "run_tcp_env.sh"
 # when one of a's connections has b's local endpoint as its remote one. Each rank also counts
 # the bytes its TCP connections received during the 4 MB allreduce (the kernel's
 # tcpi_bytes_received, at offset 128 of struct tcp_info, Linux 4.1 and later).
-JOB = r'''
+JOB = r"""
 import json, os, socket, struct, sys
 sys.path.insert(0, SCRIPTS)
 from proc_sockets import socket_inodes
@@ -82,7 +82,7 @@ if rank == 0:
 # One rank's shutdown() stops every rank's engine: wait until all are done with mpidp.
 MPI.COMM_WORLD.Barrier()
 mpidp.shutdown()
-'''
+"""
 
 
 @pytest.fixture
@@ -96,8 +96,9 @@ def job(tmp_path):
 
 def tcp_env() -> dict:
     """The variables tests/run_tcp_env.sh exports, read from the script itself."""
-    text = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True,
-                          check=True, timeout=30).stdout
+    text = subprocess.run(
+        ["bash", str(ENV_SCRIPT)], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
     env = {}
     for line in text.splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
@@ -110,7 +111,7 @@ def result(res) -> dict:
     assert res.returncode == 0, res.output
     lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, res.output
-    return json.loads(lines[0][len("RESULT "):])
+    return json.loads(lines[0][len("RESULT ") :])
 
 
 @pytest.mark.timeout(180)
@@ -145,7 +146,7 @@ def connected(n: int, pairs) -> bool:
 def test_without_the_variables_ranks_share_memory_and_hold_no_tcp(job):
     # The control: the same job with MPICH's defaults uses shared memory, so the detector above
     # finds no rank-to-rank connection and the ranks share a node.
-    env = {name: "" for name in tcp_env()}   # empty: MPICH's and libfabric's defaults
+    env = {name: "" for name in tcp_env()}  # empty: MPICH's and libfabric's defaults
     env["MPIR_CVAR_NOLOCAL"] = "0"
     out = result(run(2, job, env=env, timeout=150))
     assert all(f["ok"] for f in out["facts"]), out

@@ -7,13 +7,24 @@ import pytest
 from .launch import ROOT, run
 
 EXAMPLE = ROOT / "examples" / "testing"
-INNER_TIMEOUT = 90   # pytest-timeout per test inside the launched job
+INNER_TIMEOUT = 90  # pytest-timeout per test inside the launched job
 
 
 def _pytest(n, env=None):
-    return run(n, "-m", "pytest", "--with-mpi", "-p", "no:cacheprovider", "-q",
-               f"--timeout={INNER_TIMEOUT}", "--timeout-method=thread", EXAMPLE,
-               env=env, timeout=300)
+    return run(
+        n,
+        "-m",
+        "pytest",
+        "--with-mpi",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"--timeout={INNER_TIMEOUT}",
+        "--timeout-method=thread",
+        EXAMPLE,
+        env=env,
+        timeout=300,
+    )
 
 
 def _summaries(out):
@@ -38,14 +49,16 @@ def test_one_rank_failing_fails_every_rank_promptly():
     assert res.returncode != 0, res.output
     # Every rank reports the failure of the one rank, with its message ...
     # (pytest also repeats the message in its short summary when it detects CI: at least n.)
-    assert res.stdout.count("FAILED examples/testing/test_user_example.py::"
-                            "test_deliberate_failure") == n, res.output
-    assert res.stdout.count("AssertionError: failed on rank 1: expected 3, computed 4.0") >= n, \
+    assert (
+        res.stdout.count("FAILED examples/testing/test_user_example.py::test_deliberate_failure")
+        == n
+    ), res.output
+    assert res.stdout.count("AssertionError: failed on rank 1: expected 3, computed 4.0") >= n, (
         res.output
+    )
     # ... fails exactly that test, and runs the later tests normally: the ranks stayed in step.
     summaries = _summaries(res.stdout)
-    assert len(summaries) == n and all(s == ("1 failed, ", "7", "") for s in summaries), \
-        res.output
+    assert len(summaries) == n and all(s == ("1 failed, ", "7", "") for s in summaries), res.output
     # No rank was left waiting for the per-test timeout to end it.
     assert "Timeout" not in res.output, res.output
     assert res.seconds < INNER_TIMEOUT, f"took {res.seconds:.0f} s"

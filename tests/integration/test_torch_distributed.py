@@ -34,16 +34,20 @@ def test_ddp_example(n):
 
 def test_fsdp2_checkpoint_saved_at_two_loads_at_three(tmp_path):
     ckpt = tmp_path / "dcp"
-    saved = _trained(run(2, EXAMPLES / "fsdp2.py", "--epochs", 2, "--save", ckpt,
-                         timeout=LAUNCH_S), "fsdp2", 2)
+    saved = _trained(
+        run(2, EXAMPLES / "fsdp2.py", "--epochs", 2, "--save", ckpt, timeout=LAUNCH_S), "fsdp2", 2
+    )
     (saved_sum,) = re.findall(rf"saved {re.escape(str(ckpt))}: params ([0-9a-f]{{16}})", saved)
-    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp",
-                                                       "__1_0.distcp"], saved
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ], saved
 
-    loaded = _trained(run(3, EXAMPLES / "fsdp2.py", "--epochs", 1, "--load", ckpt,
-                          timeout=LAUNCH_S), "fsdp2", 3)
-    (loaded_sum,) = re.findall(rf"loaded {re.escape(str(ckpt))}: params ([0-9a-f]{{16}})",
-                               loaded)
+    loaded = _trained(
+        run(3, EXAMPLES / "fsdp2.py", "--epochs", 1, "--load", ckpt, timeout=LAUNCH_S), "fsdp2", 3
+    )
+    (loaded_sum,) = re.findall(rf"loaded {re.escape(str(ckpt))}: params ([0-9a-f]{{16}})", loaded)
     # The full parameters, gathered from 3 shards, are bit for bit those 2 shards saved.
     assert loaded_sum == saved_sum, (saved, loaded)
 
@@ -52,8 +56,11 @@ def test_fsdp2_checkpoint_saved_at_two_loads_at_three(tmp_path):
 def test_fsdp2_matches_one_process(n):
     res = run(n, SCRIPTS / "fsdp2_vs_one.py", 4, timeout=LAUNCH_S)
     assert res.returncode == 0, res.output
-    (m,) = re.findall(rf"fsdp2 vs one process after 4 steps: max \|diff\| (\S+), moved (\S+) "
-                      rf"on {n} rank\(s\)", res.stdout)
+    (m,) = re.findall(
+        rf"fsdp2 vs one process after 4 steps: max \|diff\| (\S+), moved (\S+) "
+        rf"on {n} rank\(s\)",
+        res.stdout,
+    )
     assert float(m[0]) <= 1e-5 and float(m[1]) > 1e-2, res.stdout
 
 
@@ -66,5 +73,8 @@ def test_lightning_example():
 
 def test_accelerate_example():
     # Accelerate finds the world in hydra's PMI_* variables and picks "mpi", mpidp's.
-    _trained(run(2, EXAMPLES / "accelerate_train.py", "--epochs", 2, timeout=LAUNCH_S),
-             "accelerate (MULTI_CPU, backend mpi)", 2)
+    _trained(
+        run(2, EXAMPLES / "accelerate_train.py", "--epochs", 2, timeout=LAUNCH_S),
+        "accelerate (MULTI_CPU, backend mpi)",
+        2,
+    )

@@ -22,10 +22,20 @@ def values(shape, dtype, rank, salt=0):
     return base.to(dtype).reshape(shape)
 
 
-def request(name, op, tensor, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, root=-1,
-            device="cpu"):
-    return Request(name, op, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape),
-                   device, reduce_op, prescale, postscale, root)
+def request(
+    name, op, tensor, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, root=-1, device="cpu"
+):
+    return Request(
+        name,
+        op,
+        str(tensor.dtype).replace("torch.", ""),
+        tuple(tensor.shape),
+        device,
+        reduce_op,
+        prescale,
+        postscale,
+        root,
+    )
 
 
 def entry(req, tensor, output, extra=None):
@@ -40,18 +50,28 @@ def single(name, op, tensor, output=None, extra=None, first_dims=(), **kw):
     req = request(name, op, tensor, **kw)
     if output is None and op in (OpType.ALLREDUCE, OpType.BROADCAST):
         output = tensor  # in place; the other ops make their output unless given one (mpidp/ops/)
-    return ([Response(name, op, req, first_dims=tuple(first_dims))],
-            [entry(req, tensor, output, extra)])
+    return (
+        [Response(name, op, req, first_dims=tuple(first_dims))],
+        [entry(req, tensor, output, extra)],
+    )
 
 
 def bucket(name, tensors, joined=False, **kw):
     """A one-response batch of one multi-tensor allreduce (a gradient bucket) and its entry."""
     first = tensors[0]
-    req = Request(name, OpType.ALLREDUCE, str(first.dtype).replace("torch.", ""),
-                  (sum(t.numel() for t in tensors),), "cpu",
-                  parts=tuple(tuple(t.shape) for t in tensors), **kw)
-    return ([Response(name, OpType.ALLREDUCE, req)],
-            [None if joined else Entry(req, list(tensors), [t.clone() for t in tensors])])
+    req = Request(
+        name,
+        OpType.ALLREDUCE,
+        str(first.dtype).replace("torch.", ""),
+        (sum(t.numel() for t in tensors),),
+        "cpu",
+        parts=tuple(tuple(t.shape) for t in tensors),
+        **kw,
+    )
+    return (
+        [Response(name, OpType.ALLREDUCE, req)],
+        [None if joined else Entry(req, list(tensors), [t.clone() for t in tensors])],
+    )
 
 
 def fused(prefix, tensors, joined_mask=None, **kw):
@@ -85,8 +105,7 @@ def clone_entries(entries):
 def same(a, b) -> bool:
     """Exact equality of results (tensors, tuples of tensors, None), dtype and shape included."""
     if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
-        return (type(a) is type(b) and len(a) == len(b)
-                and all(same(x, y) for x, y in zip(a, b)))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if a is None or b is None:
         return a is None and b is None
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
@@ -94,8 +113,10 @@ def same(a, b) -> bool:
 
 def run_both(first, second, batch, entries, *fusion_limits):
     """Execute the same batch on two backends (each on its own copies); returns both results."""
-    return (first.execute(batch, clone_entries(entries), *fusion_limits),
-            second.execute(batch, clone_entries(entries), *fusion_limits))
+    return (
+        first.execute(batch, clone_entries(entries), *fusion_limits),
+        second.execute(batch, clone_entries(entries), *fusion_limits),
+    )
 
 
 ALLREDUCE, ALLGATHER, BROADCAST = OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST

@@ -1,10 +1,10 @@
 """Session set-up for the MPI test suite: mpidp.init() once on every rank, shutdown at the end."""
 
 import pytest
-
-import mpidp
 from devices import DEVICE_PARAMS, use_device
 from mpi_util import assert_all, gather, raises_all, run_all  # noqa: F401 (re-exported helpers)
+
+import mpidp
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,14 +30,17 @@ def mpidp_still_initialised(mpidp_session):
         mpidp.shutdown()
         mpidp.init()
     assert_all(ok, "the test left mpidp shut down")
-    assert_all(in_step,
-               f"the ranks submitted different numbers of unnamed ops (barrier included), so "
-               f"later unnamed ops would be matched wrongly: counters {counters}")
+    assert_all(
+        in_step,
+        f"the ranks submitted different numbers of unnamed ops (barrier included), so "
+        f"later unnamed ops would be matched wrongly: counters {counters}",
+    )
 
 
 def _unnamed_counter():
     """How many unnamed ops this rank has numbered (mpidp internals; None if not available)."""
     from mpidp.runtime import world
+
     return world.state().unnamed_count()
 
 

@@ -20,6 +20,7 @@ DEVICE_PARAMS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not GPU, r
 def cuda_path() -> str:
     """The name of the engine's data path for CUDA tensors ('' when it has none)."""
     from mpidp.runtime import world
+
     return world.state().engine.backend.names.get("cuda", "")
 
 
@@ -34,9 +35,11 @@ def use_device(kind: str) -> torch.device:
     if not path:
         pytest.skip("the engine has no CUDA path (init() ran before the GPU was visible)")
     if path == "nccl" and count < local_size:
-        pytest.skip(f"NCCL needs one GPU per rank: {local_size} ranks on this host share "
-                    f"{count} GPU(s); MPIDP_BACKEND=mpi or gloo tests the staged paths, which "
-                    f"can share one")
+        pytest.skip(
+            f"NCCL needs one GPU per rank: {local_size} ranks on this host share "
+            f"{count} GPU(s); MPIDP_BACKEND=mpi or gloo tests the staged paths, which "
+            f"can share one"
+        )
     device = torch.device("cuda", mpidp.local_rank() % count)
     torch.cuda.set_device(device)
     return device

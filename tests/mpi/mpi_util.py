@@ -7,8 +7,18 @@ import torch
 
 import mpidp
 
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+]
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INT_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
 SIGNED_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64]
@@ -21,6 +31,7 @@ def dtype_id(dtype) -> str:
 def _world():
     # The user's communicator; mpidp works on its own duplicates of it.
     from mpi4py import MPI
+
     return MPI.COMM_WORLD
 
 
@@ -97,6 +108,7 @@ def same_everywhere(value, what: str = "value") -> None:
 
 # ---- tensor helpers ----
 
+
 def cast(values: torch.Tensor, dtype) -> torch.Tensor:
     """Exact small integers (int64/float64) as `dtype`; bool means odd."""
     if dtype == torch.bool:
@@ -146,23 +158,30 @@ def int_average(total, n: int):
     """Horovod's integer Average of a summed tensor: times the double 1/n, truncated toward
     zero (-3 over 2 ranks is -1, not floor's -2)."""
     import torch
+
     return (total.to(torch.float64) * (1.0 / n)).trunc().to(total.dtype)
 
 
 # ---- training helpers ----
 
+
 def row_batches(steps: int, rows: int, seed: int, features: int = 4, classes: int = 3):
     """`steps` float64 batches (x, y) of `rows` rows per rank, alike on every rank."""
     g = torch.Generator().manual_seed(seed)
     n = size()
-    return [(torch.randn(rows * n, features, generator=g, dtype=torch.float64),
-             torch.randint(0, classes, (rows * n,), generator=g)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(rows * n, features, generator=g, dtype=torch.float64),
+            torch.randint(0, classes, (rows * n,), generator=g),
+        )
+        for _ in range(steps)
+    ]
 
 
 def my_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """This rank's `rows` rows of a batch from row_batches."""
     r = rank()
-    return t[r * rows:(r + 1) * rows]
+    return t[r * rows : (r + 1) * rows]
 
 
 def max_deviation(model, ref) -> float:

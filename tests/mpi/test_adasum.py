@@ -4,11 +4,11 @@ optimizer; checked against the paper's formula applied over the rank tree in flo
 import pytest
 import torch
 import torch.nn as nn
+from backend_util import bucket, fused
 from mpi4py import MPI
+from mpi_util import assert_all, dtype_id, gather, raises_all, rank, run_all, size
 
 import mpidp
-from backend_util import bucket, fused
-from mpi_util import assert_all, dtype_id, gather, raises_all, rank, run_all, size
 from mpidp import config as mpidp_config
 from mpidp.engine.backends import make_backend
 from mpidp.engine.backends.cuda import StagedBackend
@@ -18,14 +18,17 @@ from mpidp.engine.mpi import Comms
 
 WORLD = MPI.COMM_WORLD.Get_size()  # at import, before mpidp.init()
 POW2 = WORLD & (WORLD - 1) == 0
-needs_pow2 = pytest.mark.skipif(not POW2, reason="Adasum needs a power-of-2 world (refusal: "
-                                                 "test_non_power_of_2_world_is_refused)")
+needs_pow2 = pytest.mark.skipif(
+    not POW2,
+    reason="Adasum needs a power-of-2 world (refusal: test_non_power_of_2_world_is_refused)",
+)
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # Rounding of the result into the dtype once per tree level, against float64 throughout.
 TOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 1e-5, torch.float64: 1e-11}
 
 
 # ---- the reference: the paper's formula, pairs of neighbours, then pairs of pairs ----
+
 
 def adasum_pair(a, b):
     dot, aa, bb = float(a @ b), float(a @ a), float(b @ b)
@@ -50,14 +53,16 @@ def inputs(r, shape, dtype=torch.float64, salt=0):
         n *= d
     common = torch.Generator().manual_seed(1000 + salt)
     own = torch.Generator().manual_seed(r * 7919 + salt)
-    x = 0.8 * torch.randn(n, generator=common, dtype=torch.float64) + \
-        torch.randn(n, generator=own, dtype=torch.float64) * (1 + r % 3)
+    x = 0.8 * torch.randn(n, generator=common, dtype=torch.float64) + torch.randn(
+        n, generator=own, dtype=torch.float64
+    ) * (1 + r % 3)
     return x.reshape(shape).to(dtype)
 
 
 def expected(shape, dtype, ranks, salt=0, scale=1.0):
-    return adasum_tree([inputs(r, shape, dtype, salt).double() * scale for r in ranks]) \
-        .reshape(shape)
+    return adasum_tree([inputs(r, shape, dtype, salt).double() * scale for r in ranks]).reshape(
+        shape
+    )
 
 
 def check(got, want, dtype, what, group=0):
@@ -79,11 +84,11 @@ def check(got, want, dtype, what, group=0):
 
 # ---- every allreduce form, every float dtype ----
 
+
 @pytest.mark.mpi
 @needs_pow2
 @pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
-@pytest.mark.parametrize("form", ["allreduce", "allreduce_", "allreduce_async",
-                                  "allreduce_async_"])
+@pytest.mark.parametrize("form", ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_"])
 def test_allreduce_matches_the_tree_of_pairs(form, dtype):
     shape = (5, 7)
     x = inputs(rank(), shape, dtype)
@@ -106,8 +111,9 @@ def test_allreduce_matches_the_tree_of_pairs(form, dtype):
 @pytest.mark.mpi
 @needs_pow2
 @pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
-@pytest.mark.parametrize("form", ["grouped_allreduce", "grouped_allreduce_async",
-                                  "grouped_allreduce_"])
+@pytest.mark.parametrize(
+    "form", ["grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_"]
+)
 def test_grouped_tensors_each_get_their_own_dot_products(form, dtype):
     shapes = [(3,), (), (4, 5), (1000,), (1,), (2, 3, 4)]
     xs = [inputs(rank(), s, dtype, salt=i) for i, s in enumerate(shapes)]
@@ -116,8 +122,9 @@ def test_grouped_tensors_each_get_their_own_dot_products(form, dtype):
     # together with the others, one dot product over the whole buffer would do neither.
     xs.append(torch.full((4,), 3.0, dtype=dtype))
     xs.append(torch.eye(max(n, 2), dtype=dtype)[rank()] * 2)
-    out = run_all(getattr(mpidp, form), xs, name=f"adasum.{form}.{dtype_id(dtype)}",
-                  op=mpidp.Adasum)
+    out = run_all(
+        getattr(mpidp, form), xs, name=f"adasum.{form}.{dtype_id(dtype)}", op=mpidp.Adasum
+    )
     if form.endswith("_async"):
         out = run_all(mpidp.synchronize, out)
     if form.endswith("_"):
@@ -145,10 +152,20 @@ def test_zero_tensors_and_scale_factors():
     got = run_all(mpidp.allreduce, tiny, name="adasum.tiny", op=mpidp.Adasum)
     check(got, tiny * n, torch.float64, "norms under Horovod's floor add up")
     x = inputs(r, (11,))
-    got = run_all(mpidp.allreduce, x, name="adasum.scaled", op=mpidp.Adasum, prescale_factor=3.0,
-                  postscale_factor=0.25)
-    check(got, expected((11,), torch.float64, range(n), scale=3.0) * 0.25, torch.float64,
-          "prescale 3, postscale 0.25 (no division by the size)")
+    got = run_all(
+        mpidp.allreduce,
+        x,
+        name="adasum.scaled",
+        op=mpidp.Adasum,
+        prescale_factor=3.0,
+        postscale_factor=0.25,
+    )
+    check(
+        got,
+        expected((11,), torch.float64, range(n), scale=3.0) * 0.25,
+        torch.float64,
+        "prescale 3, postscale 0.25 (no division by the size)",
+    )
 
 
 @pytest.mark.mpi
@@ -165,18 +182,35 @@ def test_small_ops_fused_in_one_batch():
 
 # ---- refusals ----
 
+
 @pytest.mark.mpi
 @pytest.mark.skipif(POW2, reason="this world is a power of 2")
 def test_non_power_of_2_world_is_refused():
     for fn in (mpidp.allreduce, mpidp.allreduce_async, mpidp.allreduce_):
-        raises_all(NotImplementedError, fn, torch.ones(3), name="adasum.np3", op=mpidp.Adasum,
-                   match="power-of-2")
-    raises_all(NotImplementedError, mpidp.grouped_allreduce, [torch.ones(3)], op=mpidp.Adasum,
-               match="power-of-2")
+        raises_all(
+            NotImplementedError,
+            fn,
+            torch.ones(3),
+            name="adasum.np3",
+            op=mpidp.Adasum,
+            match="power-of-2",
+        )
+    raises_all(
+        NotImplementedError,
+        mpidp.grouped_allreduce,
+        [torch.ones(3)],
+        op=mpidp.Adasum,
+        match="power-of-2",
+    )
     model = nn.Linear(2, 1)
-    raises_all(NotImplementedError, mpidp.DistributedOptimizer,
-               torch.optim.SGD(model.parameters(), lr=0.1),
-               named_parameters=model.named_parameters(), op=mpidp.Adasum, match="power-of-2")
+    raises_all(
+        NotImplementedError,
+        mpidp.DistributedOptimizer,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        op=mpidp.Adasum,
+        match="power-of-2",
+    )
     out = run_all(mpidp.allreduce, torch.ones(3), name="adasum.np3.after", op=mpidp.Sum)
     assert_all(torch.equal(out, torch.full((3,), float(size()))), "Sum after the refusal")
 
@@ -187,17 +221,42 @@ def test_what_adasum_does_not_take():
     # Where the world is not a power of 2, that is what is refused first.
     exc, match = (TypeError, "float") if POW2 else (NotImplementedError, "power-of-2")
     for dtype in (torch.int32, torch.int64, torch.uint8, torch.bool):
-        raises_all(exc, mpidp.allreduce, torch.ones(2, dtype=dtype), name=name,
-                   op=mpidp.Adasum, match=match)
-        raises_all(exc, mpidp.grouped_allreduce_async, [torch.ones(2, dtype=dtype)],
-                   name=name, op=mpidp.Adasum, match=match)
-    raises_all(ValueError, mpidp.sparse_allreduce_async, torch.eye(2).to_sparse(), name=name,
-               op=mpidp.Adasum, match="Average and Sum")
-    raises_all(ValueError, mpidp.reducescatter, torch.ones(size()), name=name, op=mpidp.Adasum,
-               match="Average")
+        raises_all(
+            exc,
+            mpidp.allreduce,
+            torch.ones(2, dtype=dtype),
+            name=name,
+            op=mpidp.Adasum,
+            match=match,
+        )
+        raises_all(
+            exc,
+            mpidp.grouped_allreduce_async,
+            [torch.ones(2, dtype=dtype)],
+            name=name,
+            op=mpidp.Adasum,
+            match=match,
+        )
+    raises_all(
+        ValueError,
+        mpidp.sparse_allreduce_async,
+        torch.eye(2).to_sparse(),
+        name=name,
+        op=mpidp.Adasum,
+        match="Average and Sum",
+    )
+    raises_all(
+        ValueError,
+        mpidp.reducescatter,
+        torch.ones(size()),
+        name=name,
+        op=mpidp.Adasum,
+        match="Average",
+    )
 
 
 # ---- process sets ----
+
 
 @pytest.mark.mpi(min_size=2)
 def test_on_a_process_set():
@@ -210,12 +269,19 @@ def test_on_a_process_set():
         mine = evens if r % 2 == 0 else odds
         x = inputs(r, (3, 4), torch.float32)
         out = run_all(mpidp.allreduce, x, name="adasum.set", op=mpidp.Adasum, process_set=mine)
-        check(out, expected((3, 4), torch.float32, mine.ranks), torch.float32, "set allreduce",
-              r % 2)
-        outs = run_all(mpidp.grouped_allreduce, [x, x[0] * 2], name="adasum.set.grouped",
-                       op=mpidp.Adasum, process_set=mine)
-        check(outs[0], expected((3, 4), torch.float32, mine.ranks), torch.float32, "grouped 0",
-              r % 2)
+        check(
+            out, expected((3, 4), torch.float32, mine.ranks), torch.float32, "set allreduce", r % 2
+        )
+        outs = run_all(
+            mpidp.grouped_allreduce,
+            [x, x[0] * 2],
+            name="adasum.set.grouped",
+            op=mpidp.Adasum,
+            process_set=mine,
+        )
+        check(
+            outs[0], expected((3, 4), torch.float32, mine.ranks), torch.float32, "grouped 0", r % 2
+        )
     finally:
         run_all(mpidp.remove_process_set, odds)
         run_all(mpidp.remove_process_set, evens)
@@ -224,8 +290,9 @@ def test_on_a_process_set():
         err = ""
         try:
             if r < 3:
-                mpidp.allreduce(torch.ones(2), name="adasum.set3", op=mpidp.Adasum,
-                                process_set=three)
+                mpidp.allreduce(
+                    torch.ones(2), name="adasum.set3", op=mpidp.Adasum, process_set=three
+                )
                 err = "a set of 3 ranks ran Adasum"
         except NotImplementedError as e:
             err = "" if "power-of-2" in str(e) else str(e)
@@ -235,6 +302,7 @@ def test_on_a_process_set():
 
 
 # ---- the data paths: host MPI, gloo, staged (the CUDA route's CPU twin), hierarchical ----
+
 
 def _config(**kw):
     base = dict(backend="mpi", hierarchical_allreduce=0, simulated_local_size=0)
@@ -247,9 +315,12 @@ def paths():
     comms = Comms(MPI.COMM_WORLD)
     hier_comms = Comms(MPI.COMM_WORLD, 2 if size() % 2 == 0 and size() > 2 else 0)
     gloo = run_all(make_backend, comms, _config(backend="gloo"))
-    yield {"host": HostBackend(comms, _config()), "gloo": gloo,
-           "staged": StagedBackend(HostBackend(comms, _config()), pin_memory=False),
-           "hierarchical": HostBackend(hier_comms, _config(hierarchical_allreduce=1))}
+    yield {
+        "host": HostBackend(comms, _config()),
+        "gloo": gloo,
+        "staged": StagedBackend(HostBackend(comms, _config()), pin_memory=False),
+        "hierarchical": HostBackend(hier_comms, _config(hierarchical_allreduce=1)),
+    }
     gloo.close()
     hier_comms.free()
     comms.free()
@@ -268,18 +339,27 @@ def test_every_data_path_runs_adasum(paths, path, threshold):
     batch, entries = bucket("b", tensors, reduce_op=ReduceOp.ADASUM)
     got = run_all(backend.execute, batch, entries, 64, threshold)[0]
     for i, s in enumerate(shapes):
-        check(got[i], expected(s, torch.float32, range(n), salt=i), torch.float32,
-              f"{path} bucket part {i}")
+        check(
+            got[i],
+            expected(s, torch.float32, range(n), salt=i),
+            torch.float32,
+            f"{path} bucket part {i}",
+        )
     joined = [r == 0 and n > 1] * 3
     batch, entries = fused("f", tensors[:3], joined, reduce_op=ReduceOp.ADASUM)
     got = run_all(backend.execute, batch, entries, 64, threshold)
     for i, s in enumerate(shapes[:3]):
-        want = adasum_tree([torch.zeros(s) if q == 0 and n > 1 else
-                            inputs(q, s, torch.float32, salt=i) for q in range(n)]).reshape(s)
+        want = adasum_tree(
+            [
+                torch.zeros(s) if q == 0 and n > 1 else inputs(q, s, torch.float32, salt=i)
+                for q in range(n)
+            ]
+        ).reshape(s)
         check(got[i][0], want, torch.float32, f"{path} fused op {i}, rank 0 joined")
 
 
 # ---- DistributedOptimizer(op=Adasum) ----
+
 
 def _regression(seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -300,14 +380,19 @@ def _model():
 def test_optimizer_step_is_old_value_plus_adasum_of_local_updates(kind, passes):
     """One step: each rank's local step on its own gradient, the updates Adasum-reduced per
     parameter and added to the old values; against a rank-by-rank replay of the same."""
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
-            "adam": lambda ps: torch.optim.Adam(ps, lr=0.05)}[kind]
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.05),
+    }[kind]
     x, y = _regression()
     shard = slice(rank() * 64, (rank() + 1) * 64)
     model = _model()
-    opt = mpidp.DistributedOptimizer(make(model.parameters()),
-                                     named_parameters=model.named_parameters(), op=mpidp.Adasum,
-                                     backward_passes_per_step=passes)
+    opt = mpidp.DistributedOptimizer(
+        make(model.parameters()),
+        named_parameters=model.named_parameters(),
+        op=mpidp.Adasum,
+        backward_passes_per_step=passes,
+    )
     before = [p.detach().clone() for p in model.parameters()]
     replay = _model()
     replay_opt = make(replay.parameters())
@@ -330,9 +415,12 @@ def test_optimizer_converges_and_keeps_replicas_identical(compression):
     x, y = _regression(seed=5)
     shard = slice(rank() * 64, (rank() + 1) * 64)
     model = _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters(), op=mpidp.Adasum,
-                                     compression=getattr(mpidp.Compression, compression))
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        op=mpidp.Adasum,
+        compression=getattr(mpidp.Compression, compression),
+    )
 
     def loss_all():
         with torch.no_grad():
@@ -362,9 +450,12 @@ def test_optimizer_on_a_process_set():
         x, y = _regression()
         rows = slice(r * 64, r * 64 + 32)
         model, replay = _model(), _model()
-        opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters(),
-                                         op=mpidp.Adasum, process_set=pair)
+        opt = mpidp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            op=mpidp.Adasum,
+            process_set=pair,
+        )
         replay_opt = torch.optim.SGD(replay.parameters(), lr=0.1)
         before = [p.detach().clone() for p in model.parameters()]
         ((model(x[rows]) - y[rows]) ** 2).mean().backward()
@@ -373,8 +464,11 @@ def test_optimizer_on_a_process_set():
         replay_opt.step()
         deltas = gather([(q.detach() - b).clone() for q, b in zip(replay.parameters(), before)])
         for i, (p, b) in enumerate(zip(model.parameters(), before)):
-            want = b + (adasum_tree([deltas[0][i], deltas[1][i]]).reshape(b.shape) if r < 2
-                        else deltas[r][i])
+            want = b + (
+                adasum_tree([deltas[0][i], deltas[1][i]]).reshape(b.shape)
+                if r < 2
+                else deltas[r][i]
+            )
             # Members hold the same bits; each rank outside the set its own.
             check(p.detach(), want, torch.float64, f"parameter {i}", group=0 if r < 2 else r)
     finally:

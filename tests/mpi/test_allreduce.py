@@ -4,10 +4,21 @@ import warnings
 
 import pytest
 import torch
+from mpi_util import (
+    DTYPES,
+    FLOAT_DTYPES,
+    SIGNED_DTYPES,
+    assert_all,
+    dtype_id,
+    int_average,
+    raises_all,
+    rank,
+    run_all,
+    size,
+    tensor_diff,
+)
 
 import mpidp
-from mpi_util import (DTYPES, FLOAT_DTYPES, SIGNED_DTYPES, assert_all, dtype_id, int_average,
-                      raises_all, rank, run_all, size, tensor_diff)
 
 OPS = [mpidp.Average, mpidp.Sum, mpidp.Min, mpidp.Max, mpidp.Product]
 
@@ -74,9 +85,14 @@ def _all_forms(x, expected, name, **kwargs):
     h2 = mpidp.allreduce_async_(b, name=f"{name}.async_", **kwargs)
     out_async = mpidp.synchronize(h1)
     ret2 = mpidp.synchronize(h2)
-    for what, got in (("allreduce", out), ("allreduce_ (tensor)", inplace),
-                      ("allreduce_ (returned)", ret), ("allreduce_async", out_async),
-                      ("allreduce_async_ (tensor)", b), ("allreduce_async_ (returned)", ret2)):
+    for what, got in (
+        ("allreduce", out),
+        ("allreduce_ (tensor)", inplace),
+        ("allreduce_ (returned)", ret),
+        ("allreduce_async", out_async),
+        ("allreduce_async_ (tensor)", b),
+        ("allreduce_async_ (returned)", ret2),
+    ):
         diff = tensor_diff(got, expected)
         if diff:
             problems.append(f"{what}: {diff}")
@@ -98,8 +114,7 @@ def test_allreduce_dtype_op(dtype, op, device):
     x = make_input(rank(), dtype, op).to(device)
     if dtype == torch.bool and op == mpidp.Average:
         raises_all(TypeError, mpidp.allreduce, x, op=op, name=name, match="bool")
-        raises_all(TypeError, mpidp.allreduce_async_, x.clone(), op=op, name=name,
-                   match="Average")
+        raises_all(TypeError, mpidp.allreduce_async_, x.clone(), op=op, name=name, match="Average")
         return
     expected = reference(dtype, op, size()).to(device)
     problems = run_all(_all_forms, x, expected, name, op=op)
@@ -114,8 +129,9 @@ def test_allreduce_prescale_postscale(dtype, op, device):
     pre, post = 0.5, 3.0
     x = make_input(rank(), dtype, op).to(device)
     expected = reference(dtype, op, size(), pre, post).to(device)
-    problems = run_all(_all_forms, x, expected, name, op=op, prescale_factor=pre,
-                       postscale_factor=post)
+    problems = run_all(
+        _all_forms, x, expected, name, op=op, prescale_factor=pre, postscale_factor=post
+    )
     assert_all(not problems, "; ".join(problems))
 
 
@@ -126,14 +142,17 @@ def test_integer_scale_factors_follow_horovods_rule(dtype, op, device):
     """Integers take scale factors as in Horovod: times the double factor, cast back
     (truncated toward zero), before the sum (prescale) and after it (postscale, with 1/size
     folded in for Average)."""
-    name = (f"test_integer_scale_factors_follow_horovods_rule.{dtype_id(dtype)}.{op_id(op)}."
-            f"{device.type}")
+    name = (
+        f"test_integer_scale_factors_follow_horovods_rule.{dtype_id(dtype)}.{op_id(op)}."
+        f"{device.type}"
+    )
     pre, post, n = 1.5, 0.75, size()
     x = make_input(rank(), dtype, op).to(device)
     total = sum((make_input(r, dtype, op).double() * pre).trunc() for r in range(n))
     expected = (total * (post / n if op == mpidp.Average else post)).trunc().to(dtype).to(device)
-    problems = run_all(_all_forms, x, expected, name, op=op, prescale_factor=pre,
-                       postscale_factor=post)
+    problems = run_all(
+        _all_forms, x, expected, name, op=op, prescale_factor=pre, postscale_factor=post
+    )
     assert_all(not problems, "; ".join(problems))
 
 
@@ -154,17 +173,22 @@ def test_allreduce_default_op_is_average_and_average_kwarg():
     default, avg_kw, sum_kw, n_warn = run_all(body)
     avg = reference(torch.float32, mpidp.Average, size())
     total = reference(torch.float32, mpidp.Sum, size())
-    problems = [f"{w}: {d}" for w, d in (("default op", tensor_diff(default, avg)),
-                                         ("average=True", tensor_diff(avg_kw, avg)),
-                                         ("average=False", tensor_diff(sum_kw, total))) if d]
+    problems = [
+        f"{w}: {d}"
+        for w, d in (
+            ("default op", tensor_diff(default, avg)),
+            ("average=True", tensor_diff(avg_kw, avg)),
+            ("average=False", tensor_diff(sum_kw, total)),
+        )
+        if d
+    ]
     if n_warn < 2:
         problems.append(f"average= gave {n_warn} DeprecationWarning(s), expected 2")
     assert_all(not problems, "; ".join(problems))
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32],
-                         ids=dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32], ids=dtype_id)
 def test_allreduce_large_tensor_chunked(dtype, device):
     """A tensor above the fusion size and the 4 MiB chunk size: reduced alone, in chunks."""
     name = f"test_allreduce_large_tensor_chunked.{dtype_id(dtype)}.{device.type}"
@@ -193,14 +217,21 @@ def test_allreduce_scalar_and_empty(device):
     r, n = rank(), size()
 
     def body():
-        s = mpidp.allreduce(torch.tensor(float(r), device=device), op=mpidp.Sum,
-                            name=f"{name}.scalar")
+        s = mpidp.allreduce(
+            torch.tensor(float(r), device=device), op=mpidp.Sum, name=f"{name}.scalar"
+        )
         e = mpidp.allreduce(torch.empty(0, 3, device=device), op=mpidp.Sum, name=f"{name}.empty")
         return s, e
 
     s, e = run_all(body)
-    problems = [d for d in (tensor_diff(s, torch.tensor(float(n * (n - 1) // 2), device=device)),
-                            tensor_diff(e, torch.empty(0, 3, device=device))) if d]
+    problems = [
+        d
+        for d in (
+            tensor_diff(s, torch.tensor(float(n * (n - 1) // 2), device=device)),
+            tensor_diff(e, torch.empty(0, 3, device=device)),
+        )
+        if d
+    ]
     assert_all(not problems, "; ".join(problems))
 
 
@@ -210,10 +241,14 @@ def test_grouped_allreduce_all_forms(device):
     r, n = rank(), size()
     dtypes = [torch.float32, torch.int32, torch.float64, torch.bfloat16, torch.uint8]
     shapes = [(3,), (2, 2), (), (5,), (1, 4)]
-    xs = [make_input(r, d, mpidp.Sum, s if s else (1,)).reshape(s).to(device)
-          for d, s in zip(dtypes, shapes)]
-    expected = [reference(d, mpidp.Sum, n, shape=s if s else (1,)).reshape(s).to(device)
-                for d, s in zip(dtypes, shapes)]
+    xs = [
+        make_input(r, d, mpidp.Sum, s if s else (1,)).reshape(s).to(device)
+        for d, s in zip(dtypes, shapes)
+    ]
+    expected = [
+        reference(d, mpidp.Sum, n, shape=s if s else (1,)).reshape(s).to(device)
+        for d, s in zip(dtypes, shapes)
+    ]
     originals = [x.clone() for x in xs]
 
     def body():
@@ -250,11 +285,16 @@ def test_grouped_allreduce_all_forms(device):
 def test_grouped_allreduce_average_and_scale(device):
     name = f"test_grouped_allreduce_average_and_scale.{device.type}"
     n = size()
-    xs = [make_input(rank(), torch.float32, mpidp.Average, (4,)).to(device),
-          make_input(rank(), torch.float64, mpidp.Average, (2, 2)).to(device)]
-    exp = [reference(torch.float32, mpidp.Average, n, 2.0, 0.25, (4,)).to(device),
-           reference(torch.float64, mpidp.Average, n, 2.0, 0.25, (2, 2)).to(device)]
-    outs = run_all(mpidp.grouped_allreduce, xs, name=name, prescale_factor=2.0,
-                   postscale_factor=0.25)
+    xs = [
+        make_input(rank(), torch.float32, mpidp.Average, (4,)).to(device),
+        make_input(rank(), torch.float64, mpidp.Average, (2, 2)).to(device),
+    ]
+    exp = [
+        reference(torch.float32, mpidp.Average, n, 2.0, 0.25, (4,)).to(device),
+        reference(torch.float64, mpidp.Average, n, 2.0, 0.25, (2, 2)).to(device),
+    ]
+    outs = run_all(
+        mpidp.grouped_allreduce, xs, name=name, prescale_factor=2.0, postscale_factor=0.25
+    )
     problems = [d for d in (tensor_diff(o, e) for o, e in zip(outs, exp)) if d]
     assert_all(not problems, "; ".join(problems))

@@ -5,9 +5,9 @@ import time
 
 import pytest
 import torch
+from mpi_util import assert_all, int_average, rank, run_all, size, tensor_diff
 
 import mpidp
-from mpi_util import assert_all, int_average, rank, run_all, size, tensor_diff
 
 
 def _sum_of_ranks(n: int) -> int:
@@ -26,8 +26,9 @@ def test_poll_false_right_after_submission():
             time.sleep(0.2)
         handles, early = [], []
         for i in range(8):
-            h = mpidp.allreduce_async(torch.full((4,), float(r + i)), op=mpidp.Sum,
-                                      name=f"{name}.{i}")
+            h = mpidp.allreduce_async(
+                torch.full((4,), float(r + i)), op=mpidp.Sum, name=f"{name}.{i}"
+            )
             early.append(mpidp.poll(h))
             handles.append(h)
         results = [mpidp.synchronize(h) for h in handles]
@@ -65,8 +66,10 @@ def test_poll_true_after_completion_and_handle_spent():
 
     done, out, spent = run_all(body)
     d = tensor_diff(out, torch.full((3,), float(n)))
-    assert_all(done and not d and spent,
-               f"poll after completion={done}, result: {d or 'ok'}, handle spent={spent}")
+    assert_all(
+        done and not d and spent,
+        f"poll after completion={done}, result: {d or 'ok'}, handle spent={spent}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -112,8 +115,9 @@ def test_synchronize_timeout_on_grouped_handle_keeps_it_usable():
     def body():
         if r == 0:
             time.sleep(0.3)
-        h = mpidp.grouped_allreduce_async([torch.ones(2), torch.ones(3, dtype=torch.int32)],
-                                          op=mpidp.Sum, name=name)
+        h = mpidp.grouped_allreduce_async(
+            [torch.ones(2), torch.ones(3, dtype=torch.int32)], op=mpidp.Sum, name=name
+        )
         timeouts = 0
         while True:
             try:
@@ -124,8 +128,14 @@ def test_synchronize_timeout_on_grouped_handle_keeps_it_usable():
                     raise
 
     outs, timeouts = run_all(body)
-    problems = [d for d in (tensor_diff(outs[0], torch.full((2,), float(n))),
-                            tensor_diff(outs[1], torch.full((3,), n, dtype=torch.int32))) if d]
+    problems = [
+        d
+        for d in (
+            tensor_diff(outs[0], torch.full((2,), float(n))),
+            tensor_diff(outs[1], torch.full((3,), n, dtype=torch.int32)),
+        )
+        if d
+    ]
     if n > 1 and r != 0 and timeouts == 0:
         problems.append("never timed out although rank 0 was 0.3 s late")
     assert_all(not problems, "; ".join(problems))
@@ -143,8 +153,9 @@ def test_rank_dependent_order_named_allreduces():
     def body():
         handles = {}
         for i in order:
-            handles[i] = mpidp.allreduce_async(torch.full((i + 1,), float(i * 10 + r)),
-                                               op=mpidp.Sum, name=f"{name}.{i}")
+            handles[i] = mpidp.allreduce_async(
+                torch.full((i + 1,), float(i * 10 + r)), op=mpidp.Sum, name=f"{name}.{i}"
+            )
         # Synchronize in yet another order.
         return {i: mpidp.synchronize(handles[i]) for i in sorted(handles, reverse=r % 2 == 0)}
 
@@ -163,23 +174,30 @@ def test_rank_dependent_order_mixed_op_types():
     r, n = rank(), size()
 
     submit = {
-        "allreduce": lambda: mpidp.allreduce_async(torch.full((3,), float(r)), op=mpidp.Sum,
-                                                   name=f"{name}.allreduce"),
-        "allreduce_int": lambda: mpidp.allreduce_async_(torch.full((5,), r, dtype=torch.int64),
-                                                        op=mpidp.Max, name=f"{name}.arint"),
-        "allgather": lambda: mpidp.allgather_async(torch.full((r + 1, 2), float(r)),
-                                                   name=f"{name}.allgather"),
-        "broadcast": lambda: mpidp.broadcast_async(torch.full((4,), float(r)), n - 1,
-                                                   name=f"{name}.broadcast"),
-        "alltoall": lambda: mpidp.alltoall_async(torch.arange(2 * n, dtype=torch.int32) + 100 * r,
-                                                 name=f"{name}.alltoall"),
-        "reducescatter": lambda: mpidp.reducescatter_async(torch.ones(2 * n + 1, 3),
-                                                           op=mpidp.Sum,
-                                                           name=f"{name}.reducescatter"),
-        "grouped": lambda: mpidp.grouped_allreduce_async([torch.ones(2), torch.ones(1)],
-                                                         op=mpidp.Sum, name=f"{name}.grouped"),
+        "allreduce": lambda: mpidp.allreduce_async(
+            torch.full((3,), float(r)), op=mpidp.Sum, name=f"{name}.allreduce"
+        ),
+        "allreduce_int": lambda: mpidp.allreduce_async_(
+            torch.full((5,), r, dtype=torch.int64), op=mpidp.Max, name=f"{name}.arint"
+        ),
+        "allgather": lambda: mpidp.allgather_async(
+            torch.full((r + 1, 2), float(r)), name=f"{name}.allgather"
+        ),
+        "broadcast": lambda: mpidp.broadcast_async(
+            torch.full((4,), float(r)), n - 1, name=f"{name}.broadcast"
+        ),
+        "alltoall": lambda: mpidp.alltoall_async(
+            torch.arange(2 * n, dtype=torch.int32) + 100 * r, name=f"{name}.alltoall"
+        ),
+        "reducescatter": lambda: mpidp.reducescatter_async(
+            torch.ones(2 * n + 1, 3), op=mpidp.Sum, name=f"{name}.reducescatter"
+        ),
+        "grouped": lambda: mpidp.grouped_allreduce_async(
+            [torch.ones(2), torch.ones(1)], op=mpidp.Sum, name=f"{name}.grouped"
+        ),
         "grouped_allgather": lambda: mpidp.grouped_allgather_async(
-            [torch.tensor([r]), torch.tensor([[r, r]])], name=f"{name}.grouped_allgather"),
+            [torch.tensor([r]), torch.tensor([[r, r]])], name=f"{name}.grouped_allgather"
+        ),
     }
     order = sorted(submit)
     random.Random(7 * r + 1).shuffle(order)
@@ -195,8 +213,9 @@ def test_rank_dependent_order_mixed_op_types():
         "allreduce_int": torch.full((5,), n - 1, dtype=torch.int64),
         "allgather": torch.cat([torch.full((k + 1, 2), float(k)) for k in range(n)]),
         "broadcast": torch.full((4,), float(n - 1)),
-        "alltoall": torch.tensor([100 * k + 2 * r + j for k in range(n) for j in range(2)],
-                                 dtype=torch.int32),
+        "alltoall": torch.tensor(
+            [100 * k + 2 * r + j for k in range(n) for j in range(2)], dtype=torch.int32
+        ),
         "reducescatter": torch.full((rs_rows, 3), float(n)),
     }
     problems = []
@@ -205,12 +224,14 @@ def test_rank_dependent_order_mixed_op_types():
         if d:
             problems.append(f"{k}: {d}")
     g = outs["grouped"]
-    if tensor_diff(g[0], torch.full((2,), float(n))) or tensor_diff(g[1], torch.full((1,),
-                                                                                   float(n))):
+    if tensor_diff(g[0], torch.full((2,), float(n))) or tensor_diff(
+        g[1], torch.full((1,), float(n))
+    ):
         problems.append(f"grouped: {g}")
     ga = outs["grouped_allgather"]
-    if not torch.equal(ga[0], torch.arange(n)) or \
-            not torch.equal(ga[1], torch.arange(n).repeat_interleave(2).reshape(n, 2)):
+    if not torch.equal(ga[0], torch.arange(n)) or not torch.equal(
+        ga[1], torch.arange(n).repeat_interleave(2).reshape(n, 2)
+    ):
         problems.append(f"grouped_allgather: {ga}")
     assert_all(not problems, "; ".join(problems))
 
@@ -237,8 +258,7 @@ def test_many_small_mixed_dtype_allreduces_fuse_correctly():
         for i in order:
             _, dtype, op, pre = specs[i]
             t = torch.full((i % 7 + 1,), value(i, r)).to(dtype)
-            handles[i] = mpidp.allreduce_async_(t, op=op, name=f"{name}.{i}",
-                                                prescale_factor=pre)
+            handles[i] = mpidp.allreduce_async_(t, op=op, name=f"{name}.{i}", prescale_factor=pre)
         return {i: mpidp.synchronize(h) for i, h in handles.items()}
 
     outs = run_all(body)
@@ -264,8 +284,9 @@ def test_unnamed_ops_match_by_submission_order():
     def body():
         handles = []
         for i in range(6):
-            handles.append(mpidp.allreduce_async(torch.full((i + 1,), float(r * (i + 1))),
-                                                 op=mpidp.Sum))
+            handles.append(
+                mpidp.allreduce_async(torch.full((i + 1,), float(r * (i + 1))), op=mpidp.Sum)
+            )
         handles.append(mpidp.allgather_async(torch.full((1, 2), r)))
         handles.append(mpidp.broadcast_async(torch.full((2,), float(r)), 0))
         outs = [mpidp.synchronize(h) for h in reversed(handles)]
@@ -279,10 +300,11 @@ def test_unnamed_ops_match_by_submission_order():
         d = tensor_diff(outs[i], torch.full((i + 1,), float(_sum_of_ranks(n) * (i + 1))))
         if d:
             problems.append(f"unnamed allreduce {i}: {d}")
-    for what, got, want in (("allgather", outs[6], torch.arange(n).repeat_interleave(2)
-                             .reshape(n, 2)),
-                            ("broadcast", outs[7], torch.zeros(2)),
-                            ("blocking", blocking, torch.full((2,), float(n)))):
+    for what, got, want in (
+        ("allgather", outs[6], torch.arange(n).repeat_interleave(2).reshape(n, 2)),
+        ("broadcast", outs[7], torch.zeros(2)),
+        ("blocking", blocking, torch.full((2,), float(n))),
+    ):
         d = tensor_diff(got, want)
         if d:
             problems.append(f"unnamed {what}: {d}")
@@ -299,11 +321,23 @@ def test_unnamed_ops_interleaved_with_rank_dependent_named_ops():
     def body():
         handles = []
         for j, i in enumerate(named):
-            handles.append(("named", i, mpidp.allreduce_async(
-                torch.full((2,), float(i)), op=mpidp.Sum, name=f"{name}.{i}")))
+            handles.append(
+                (
+                    "named",
+                    i,
+                    mpidp.allreduce_async(
+                        torch.full((2,), float(i)), op=mpidp.Sum, name=f"{name}.{i}"
+                    ),
+                )
+            )
             # The j-th unnamed op has the same shape on every rank whatever the named order.
-            handles.append(("unnamed", j, mpidp.allreduce_async(
-                torch.full((j + 1,), float(j + r)), op=mpidp.Sum)))
+            handles.append(
+                (
+                    "unnamed",
+                    j,
+                    mpidp.allreduce_async(torch.full((j + 1,), float(j + r)), op=mpidp.Sum),
+                )
+            )
         return [(kind, i, mpidp.synchronize(h)) for kind, i, h in handles]
 
     problems = []
@@ -338,19 +372,22 @@ def test_duplicate_name_in_flight_raises_then_reusable():
             # Only a rank that is certainly still waiting tries (a late rank's op may already
             # be done, and an accepted duplicate there would be matched by nobody).
             if n == 1 or r != late:
-                for what, fn in (("allreduce", lambda: mpidp.allreduce_async(
-                                    torch.ones(2), op=mpidp.Sum, name=name)),
-                                 ("broadcast", lambda: mpidp.broadcast_async(
-                                     torch.ones(2), 0, name=name)),
-                                 ("allgather", lambda: mpidp.allgather_async(
-                                     torch.ones(2), name=name))):
+                for what, fn in (
+                    (
+                        "allreduce",
+                        lambda: mpidp.allreduce_async(torch.ones(2), op=mpidp.Sum, name=name),
+                    ),
+                    ("broadcast", lambda: mpidp.broadcast_async(torch.ones(2), 0, name=name)),
+                    ("allgather", lambda: mpidp.allgather_async(torch.ones(2), name=name)),
+                ):
                     try:
                         accepted = fn()
                         if n == 1:  # alone, the first op may have finished already
                             mpidp.synchronize(accepted)
                         else:
-                            verdicts.append(f"round {late}: {what} under an in-flight name "
-                                            f"was accepted")
+                            verdicts.append(
+                                f"round {late}: {what} under an in-flight name was accepted"
+                            )
                             break
                     except ValueError as e:
                         if name not in str(e) or "in flight" not in str(e):
@@ -361,8 +398,9 @@ def test_duplicate_name_in_flight_raises_then_reusable():
             # Reusable now, with the same and with different metadata.
             again = mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name=name)
             other = mpidp.allreduce(torch.ones(3, dtype=torch.int32), op=mpidp.Max, name=name)
-            if not torch.equal(again, torch.full((2,), float(n))) or \
-                    not torch.equal(other, torch.ones(3, dtype=torch.int32)):
+            if not torch.equal(again, torch.full((2,), float(n))) or not torch.equal(
+                other, torch.ones(3, dtype=torch.int32)
+            ):
                 verdicts.append(f"round {late}: reuse gave {again.tolist()}, {other.tolist()}")
         return verdicts
 
@@ -396,8 +434,7 @@ def test_grouped_op_is_atomic_on_duplicate():
                 refused = True
         first = mpidp.synchronize(h)
         # If the group had been half-enqueued, '<name>.0' would now be in flight.
-        g2 = mpidp.synchronize(mpidp.grouped_allreduce_async(group(), op=mpidp.Sum,
-                                                                 name=name))
+        g2 = mpidp.synchronize(mpidp.grouped_allreduce_async(group(), op=mpidp.Sum, name=name))
         return refused, first, g2
 
     refused, first, g2 = run_all(body)
@@ -416,12 +453,19 @@ def test_unusual_names():
     """Names are opaque keys: unicode, dots, spaces and long names all work and stay distinct."""
     base = "test_unusual_names"
     n = size()
-    names = [f"{base}.ünïcødé.名前", f"{base}.with space/and:colon", f"{base}." + "x" * 5000,
-             f"{base}.noname.1", f"{base}.mpidp.join"]
+    names = [
+        f"{base}.ünïcødé.名前",
+        f"{base}.with space/and:colon",
+        f"{base}." + "x" * 5000,
+        f"{base}.noname.1",
+        f"{base}.mpidp.join",
+    ]
 
     def body():
-        hs = [mpidp.allreduce_async(torch.full((2,), float(i)), op=mpidp.Sum, name=nm)
-              for i, nm in enumerate(names)]
+        hs = [
+            mpidp.allreduce_async(torch.full((2,), float(i)), op=mpidp.Sum, name=nm)
+            for i, nm in enumerate(names)
+        ]
         return [mpidp.synchronize(h) for h in hs]
 
     outs = run_all(body)
@@ -433,14 +477,19 @@ def test_unusual_names():
 def test_submission_from_several_threads():
     """Two user threads submit and synchronize named ops concurrently."""
     import threading
+
     name = "test_submission_from_several_threads"
     n = size()
     results, errors = {}, []
 
     def worker(t):
         try:
-            hs = {i: mpidp.allreduce_async(torch.full((3,), float(t * 100 + i)), op=mpidp.Sum,
-                                           name=f"{name}.{t}.{i}") for i in range(10)}
+            hs = {
+                i: mpidp.allreduce_async(
+                    torch.full((3,), float(t * 100 + i)), op=mpidp.Sum, name=f"{name}.{t}.{i}"
+                )
+                for i in range(10)
+            }
             for i, h in hs.items():
                 results[(t, i)] = mpidp.synchronize(h)
         except Exception as e:  # noqa: BLE001

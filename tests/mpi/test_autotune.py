@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from mpi_util import assert_all, gather, run_all
 
 import mpidp
 from mpidp.runtime import observe, world
-from mpi_util import assert_all, gather, run_all
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -15,6 +15,7 @@ SIZES = [16, 1000, 5 * KiB, 20 * KiB, 70 * KiB, 300 * KiB, 10, 3 * KiB]  # float
 
 def _world():
     from mpi4py import MPI
+
     return MPI.COMM_WORLD
 
 
@@ -22,8 +23,9 @@ def _round(tag):
     """One step of traffic; '' if every result is exact, else what differs."""
     size, rank = mpidp.size(), mpidp.rank()
     tensors = [torch.full((n,), float(rank + 1 + i)) for i, n in enumerate(SIZES)]
-    handles = [mpidp.allreduce_async_(t, name=f"{tag}.{i}", op=mpidp.Sum)
-               for i, t in enumerate(tensors)]
+    handles = [
+        mpidp.allreduce_async_(t, name=f"{tag}.{i}", op=mpidp.Sum) for i, t in enumerate(tensors)
+    ]
     for h in handles:
         mpidp.synchronize(h)
     bad = []
@@ -38,15 +40,19 @@ def _tuned_run(tag, max_rounds=3000, **knobs):
     """Re-init with autotune and `knobs`, run rounds until rank 0's search ends; returns
     (this rank's switches, final parameters, stats params, rounds)."""
     mpidp.shutdown()
-    mpidp.init(autotune=True, autotune_warmup_samples=0, autotune_samples_per_point=1,
-               autotune_sample_s=0.02, **knobs)
+    mpidp.init(
+        autotune=True,
+        autotune_warmup_samples=0,
+        autotune_samples_per_point=1,
+        autotune_sample_s=0.02,
+        **knobs,
+    )
     try:
         engine = world.state().engine
         rounds = 0
         while True:
             bad = _round(tag)
-            assert_all(not bad, f"round {rounds}: wrong results for {bad} under "
-                                f"{engine.params()}")
+            assert_all(not bad, f"round {rounds}: wrong results for {bad} under {engine.params()}")
             rounds += 1
             done = _world().bcast(engine.sampler.done if engine.rank == 0 else None, 0)
             if done or rounds >= max_rounds:
@@ -61,24 +67,31 @@ def _tuned_run(tag, max_rounds=3000, **knobs):
 
 
 def test_all_ranks_switch_together_and_results_stay_exact():
-    switches, final, reported, best, rounds = run_all(
-        _tuned_run, "tune.a", cycle_time_ms=0.0)
+    switches, final, reported, best, rounds = run_all(_tuned_run, "tune.a", cycle_time_ms=0.0)
     views = gather((switches, final))
-    assert_all(all(v == views[0] for v in views),
-               f"ranks differ in (cycle, parameters) switches or final parameters: {views}")
+    assert_all(
+        all(v == views[0] for v in views),
+        f"ranks differ in (cycle, parameters) switches or final parameters: {views}",
+    )
     assert_all(len(switches) >= 2, f"only {len(switches)} switches in {rounds} rounds")
     assert_all(final == reported, f"stats() reports {reported}, engine holds {final}")
     assert_all(final == best, f"final {final} is not rank 0's best {best}")
     # cycle_time_ms was set explicitly (init keyword): never touched.
-    assert_all(final["cycle_time_ms"] == 0.0 and
-               all(p.get("cycle_time_ms", 0.0) == 0.0 for _, p in switches), str(switches))
+    assert_all(
+        final["cycle_time_ms"] == 0.0
+        and all(p.get("cycle_time_ms", 0.0) == 0.0 for _, p in switches),
+        str(switches),
+    )
     cycles = [c for c, _ in switches]
     assert_all(cycles == sorted(cycles), f"switch cycles {cycles}")
 
 
 def test_explicit_knobs_are_never_tuned():
-    knobs = dict(fusion_threshold_bytes=2 * 1024 * 1024, fuse_below_bytes=32 * KiB,
-                 cycle_time_ms=0.0)
+    knobs = dict(
+        fusion_threshold_bytes=2 * 1024 * 1024, fuse_below_bytes=32 * KiB, cycle_time_ms=0.0
+    )
     switches, final, _, _, rounds = run_all(_tuned_run, "tune.b", **knobs)
-    assert_all(rounds == 1 and switches == [] and final == knobs,
-               f"rounds {rounds}, switches {switches}, final {final}")
+    assert_all(
+        rounds == 1 and switches == [] and final == knobs,
+        f"rounds {rounds}, switches {switches}, final {final}",
+    )

@@ -2,12 +2,25 @@
 
 import pytest
 import torch
+from backend_util import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    REDUCE_OPS,
+    REDUCESCATTER,
+    bucket,
+    fused,
+    run_both,
+    same,
+    single,
+    values,
+)
 from mpi4py import MPI
+from mpi_util import DTYPES, assert_all, dtype_id, int_average, run_all
 
 import mpidp
-from backend_util import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE_OPS,
-                          REDUCESCATTER, bucket, fused, run_both, same, single, values)
-from mpi_util import DTYPES, assert_all, dtype_id, int_average, run_all
 from mpidp import config as mpidp_config
 from mpidp.engine.backends import Dispatch, available, make_backend
 from mpidp.engine.backends.cuda import StagedBackend
@@ -21,8 +34,7 @@ FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 def _config(**kw):
     # Flat MPI reference whatever the session's variables say; small chunks to cover chunking.
-    base = dict(backend="mpi", hierarchical_allreduce=0, simulated_local_size=0,
-                chunk_bytes=256)
+    base = dict(backend="mpi", hierarchical_allreduce=0, simulated_local_size=0, chunk_bytes=256)
     base.update(kw)
     return mpidp_config.load(**base)
 
@@ -68,8 +80,9 @@ def test_allreduce_matches_host(paths, other, dtype, op):
         batch, entries = single(f"ar{shape}", ALLREDUCE, t, reduce_op=op)
         _check(paths["host"], other, batch, entries, f"{dtype} {op.name} {shape}")
         # not in place: the result goes to a separate output tensor
-        batch, entries = single(f"ar{shape}.out", ALLREDUCE, t, output=torch.empty_like(t),
-                                reduce_op=op)
+        batch, entries = single(
+            f"ar{shape}.out", ALLREDUCE, t, output=torch.empty_like(t), reduce_op=op
+        )
         _check(paths["host"], other, batch, entries, f"{dtype} {op.name} {shape} out")
 
 
@@ -80,8 +93,13 @@ def test_allreduce_scale_factors_match_host(paths, other, dtype, op):
     t = values((17,), dtype, RANK)
     batch, entries = single("scaled", ALLREDUCE, t, reduce_op=op, prescale=2.0, postscale=0.25)
     _check(paths["host"], other, batch, entries, f"{dtype} {op.name}")
-    batch, entries = fused("scaled.f", [values((n,), dtype, RANK, n) for n in (1, 4, 9)],
-                           reduce_op=op, prescale=0.5, postscale=4.0)
+    batch, entries = fused(
+        "scaled.f",
+        [values((n,), dtype, RANK, n) for n in (1, 4, 9)],
+        reduce_op=op,
+        prescale=0.5,
+        postscale=4.0,
+    )
     _check(paths["host"], other, batch, entries, f"fused {dtype} {op.name}")
 
 
@@ -103,8 +121,10 @@ def test_fused_allreduce_with_a_joined_rank_matches_host(paths, other, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_allgather_with_different_first_dims_matches_host(paths, other, dtype):
     # The MPI path pads near-equal blocks for Allgather and sends lopsided ones with Allgatherv.
-    for dims in ([(r % 3) + (r // 3) for r in range(SIZE)],  # includes a rank with 0 rows
-                 [10 if r == 0 else 0 for r in range(SIZE)]):
+    for dims in (
+        [(r % 3) + (r // 3) for r in range(SIZE)],  # includes a rank with 0 rows
+        [10 if r == 0 else 0 for r in range(SIZE)],
+    ):
         t = values((dims[RANK], 3), dtype, RANK)
         batch, entries = single("ag", ALLGATHER, t, first_dims=dims)
         _check(paths["host"], other, batch, entries, f"{dtype} dims {dims}")
@@ -120,14 +140,15 @@ def test_allgather_into_an_output_in_place_and_apart(paths, path, dtype):
     backend = paths[path]
     expect = torch.cat([values((3, 2), dtype, r) for r in range(SIZE)])
     out = torch.zeros(3 * SIZE, 2, dtype=dtype)
-    out[3 * RANK:3 * RANK + 3] = values((3, 2), dtype, RANK)
-    mine = out[3 * RANK:3 * RANK + 3]  # this rank's block of the output: nothing moves locally
+    out[3 * RANK : 3 * RANK + 3] = values((3, 2), dtype, RANK)
+    mine = out[3 * RANK : 3 * RANK + 3]  # this rank's block of the output: nothing moves locally
     batch, entries = single("ag.in", ALLGATHER, mine, output=out, first_dims=[3] * SIZE)
     got = run_all(backend.execute, batch, entries)[0]
     assert_all(got is out and torch.equal(out, expect), f"{path} in place: {got}")
     apart = torch.zeros(3 * SIZE, 2, dtype=dtype)
-    batch, entries = single("ag.apart", ALLGATHER, values((3, 2), dtype, RANK), output=apart,
-                            first_dims=[3] * SIZE)
+    batch, entries = single(
+        "ag.apart", ALLGATHER, values((3, 2), dtype, RANK), output=apart, first_dims=[3] * SIZE
+    )
     got = run_all(backend.execute, batch, entries)[0]
     assert_all(got is apart and torch.equal(apart, expect), f"{path} apart: {got}")
 
@@ -139,8 +160,9 @@ def test_allgather_into_an_output_with_unequal_first_dims_is_refused(paths, path
     # is found here, on every rank alike (the engine then ends the job with this message).
     t = values((1 + RANK % 2, 2), torch.float32, RANK)
     dims = [1 + r % 2 for r in range(SIZE)]
-    batch, entries = single("ag.bad", ALLGATHER, t, output=torch.zeros(sum(dims), 2),
-                            first_dims=dims)
+    batch, entries = single(
+        "ag.bad", ALLGATHER, t, output=torch.zeros(sum(dims), 2), first_dims=dims
+    )
     if len(set(dims)) == 1:
         pytest.skip("one rank: every first dimension is equal")
     err = run_all(lambda: _raised(backend=paths[path], batch=batch, entries=entries))
@@ -171,8 +193,10 @@ def test_reducescatter_into_an_output_matches_host(paths, other, dtype, op):
         outs[name] = out
     batch, entries = single("rs.new", REDUCESCATTER, t.clone(), reduce_op=op)
     fresh = run_all(paths["host"].execute, batch, entries)[0]
-    assert_all(same(outs["host"], fresh) and same(outs["other"], fresh),
-               f"{dtype} {op.name}: {outs} vs {fresh}")
+    assert_all(
+        same(outs["host"], fresh) and same(outs["other"], fresh),
+        f"{dtype} {op.name}: {outs} vs {fresh}",
+    )
 
 
 @pytest.mark.mpi
@@ -212,8 +236,7 @@ def test_reducescatter_uneven_matches_host(paths, other, dtype, op):
         _check(paths["host"], other, batch, entries, f"{dtype} {op.name} rows {rows}")
     if dtype in FLOATS:
         t = values((2 * SIZE + 1,), dtype, RANK)
-        batch, entries = single("rs.s", REDUCESCATTER, t, reduce_op=op, prescale=2.0,
-                                postscale=0.5)
+        batch, entries = single("rs.s", REDUCESCATTER, t, reduce_op=op, prescale=2.0, postscale=0.5)
         _check(paths["host"], other, batch, entries, f"{dtype} {op.name} scaled")
 
 
@@ -234,16 +257,21 @@ def test_bucket_matches_host_and_the_sum(paths, other, dtype, op):
     tensors = [values(s, dtype, RANK, i) for i, s in enumerate(shapes)]
     for fuse_below, threshold in ((64, 4096), (1 << 20, 4096), (64, 0), (1 << 20, 24)):
         batch, entries = bucket("b", tensors, reduce_op=op)
-        got_host, got_other = run_all(run_both, paths["host"], other, batch, entries,
-                                      fuse_below, threshold)
+        got_host, got_other = run_all(
+            run_both, paths["host"], other, batch, entries, fuse_below, threshold
+        )
         ok = same(got_host, got_other)
-        want = [sum(values(s, dtype, r, i).double() for r in range(SIZE)) for i, s in
-                enumerate(shapes)]
+        want = [
+            sum(values(s, dtype, r, i).double() for r in range(SIZE)) for i, s in enumerate(shapes)
+        ]
         if op == ReduceOp.AVERAGE:
             want = [w / SIZE if dtype.is_floating_point else int_average(w, SIZE) for w in want]
         exact = all(torch.allclose(g.double(), w, atol=1e-2) for g, w in zip(got_host[0], want))
-        assert_all(ok and exact, f"{dtype} {op.name} limits {fuse_below}/{threshold}: "
-                                 f"host {got_host} other {got_other} want {want}")
+        assert_all(
+            ok and exact,
+            f"{dtype} {op.name} limits {fuse_below}/{threshold}: "
+            f"host {got_host} other {got_other} want {want}",
+        )
     batch, entries = bucket("bj", tensors, joined=RANK == 0 and SIZE > 1, reduce_op=ReduceOp.SUM)
     got_host, got_other = run_all(run_both, paths["host"], other, batch, entries)
     assert_all(same(got_host, got_other), f"joined: {got_host} vs {got_other}")
@@ -257,8 +285,12 @@ def test_staged_path_copies_into_the_callers_output(paths):
     batch, entries = single("st", ALLREDUCE, t, output=out)
     got = run_all(paths["staged"].execute, batch, entries)
     want = sum(values((6,), torch.float32, r) for r in range(SIZE))
-    assert_all(got[0][0] is out and torch.equal(out, want) and
-               torch.equal(t, values((6,), torch.float32, RANK)), f"{got} {out} {want}")
+    assert_all(
+        got[0][0] is out
+        and torch.equal(out, want)
+        and torch.equal(t, values((6,), torch.float32, RANK)),
+        f"{got} {out} {want}",
+    )
 
 
 @pytest.mark.mpi
@@ -278,6 +310,7 @@ def test_data_allreduce_completes_whether_or_not_a_user_waits():
     import numpy as np
 
     from mpidp.engine import mpi as mpi_mod
+
     comm = MPI.COMM_WORLD.Dup()
     calls = []
 
@@ -321,7 +354,8 @@ def test_a_rendezvous_host_that_does_not_resolve_fails_every_rank_at_once():
             make_backend(comms, _config(backend="gloo", rendezvous_host="no-such-host.invalid"))
         except mpidp.MpidpError as exc:
             err = str(exc)
-        assert_all("no-such-host.invalid" in err and "MPIDP_RENDEZVOUS_HOST" in err,
-                   f"error {err!r}")
+        assert_all(
+            "no-such-host.invalid" in err and "MPIDP_RENDEZVOUS_HOST" in err, f"error {err!r}"
+        )
     finally:
         comms.free()

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpi_util import assert_all, raises_all, rank, run_all, size
 
 import mpidp
 from mpidp.config import LAUNCHER_PREFIXES
-from mpi_util import assert_all, raises_all, rank, run_all, size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,9 @@ def _words(exc, *words):
 def _sum_works(name, n_tensors=1):
     """Collective: a grouped Sum of ones under `name` now completes with the right result."""
     n = size()
-    outs = run_all(lambda: mpidp.grouped_allreduce([torch.ones(2)] * n_tensors, op=mpidp.Sum,
-                                                   name=name))
+    outs = run_all(
+        lambda: mpidp.grouped_allreduce([torch.ones(2)] * n_tensors, op=mpidp.Sum, name=name)
+    )
     assert_all(all(o.tolist() == [float(n)] * 2 for o in outs), f"{[o.tolist() for o in outs]}")
 
 
@@ -43,23 +44,34 @@ def _lone_python(code, extra_env=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra_env or {})
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=90, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+        cwd=str(ROOT),
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
 # ---- row: non-contiguous tensor ----
 
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("call", ["allreduce_", "allreduce_async_", "grouped_allreduce_",
-                                  "broadcast_"])
+@pytest.mark.parametrize(
+    "call", ["allreduce_", "allreduce_async_", "grouped_allreduce_", "broadcast_"]
+)
 def test_row_noncontiguous_tensor(call):
     name = f"test_row_noncontiguous_tensor.{call}"
     t = torch.zeros(3, 2).t()
-    fn = {"allreduce_": lambda: mpidp.allreduce_(t, name=name),
-          "allreduce_async_": lambda: mpidp.allreduce_async_(t, name=name),
-          "grouped_allreduce_": lambda: mpidp.grouped_allreduce_([t], name=name),
-          "broadcast_": lambda: mpidp.broadcast_(t, 0, name=name)}[call]
+    fn = {
+        "allreduce_": lambda: mpidp.allreduce_(t, name=name),
+        "allreduce_async_": lambda: mpidp.allreduce_async_(t, name=name),
+        "grouped_allreduce_": lambda: mpidp.grouped_allreduce_([t], name=name),
+        "broadcast_": lambda: mpidp.broadcast_(t, 0, name=name),
+    }[call]
     exc = raises_all(ValueError, fn)
     # What: not contiguous (with its strides); fix: .contiguous() or the out-of-place form.
     _words(exc, "contiguous", str(t.stride()), ".contiguous()", "out-of-place")
@@ -68,19 +80,26 @@ def test_row_noncontiguous_tensor(call):
 
 # ---- row: unsupported dtype ----
 
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.float8_e4m3fn],
-                         ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("call", ["allreduce", "allgather", "broadcast", "alltoall",
-                                  "reducescatter"])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.complex64, torch.uint16, torch.float8_e4m3fn],
+    ids=lambda d: str(d).replace("torch.", ""),
+)
+@pytest.mark.parametrize(
+    "call", ["allreduce", "allgather", "broadcast", "alltoall", "reducescatter"]
+)
 def test_row_unsupported_dtype(call, dtype):
     name = f"test_row_unsupported_dtype.{call}.{dtype}"
     t = torch.zeros(2 * size(), 2).to(dtype)
-    fn = {"allreduce": lambda: mpidp.allreduce(t, name=name),
-          "allgather": lambda: mpidp.allgather(t, name=name),
-          "broadcast": lambda: mpidp.broadcast(t, 0, name=name),
-          "alltoall": lambda: mpidp.alltoall(t, name=name),
-          "reducescatter": lambda: mpidp.reducescatter(t, name=name)}[call]
+    fn = {
+        "allreduce": lambda: mpidp.allreduce(t, name=name),
+        "allgather": lambda: mpidp.allgather(t, name=name),
+        "broadcast": lambda: mpidp.broadcast(t, 0, name=name),
+        "alltoall": lambda: mpidp.alltoall(t, name=name),
+        "reducescatter": lambda: mpidp.reducescatter(t, name=name),
+    }[call]
     exc = raises_all(TypeError, fn)
     _words(exc, str(dtype), "not supported", "use one of", "float32", "int64")
     _sum_works(name)
@@ -90,16 +109,21 @@ def test_row_unsupported_dtype(call, dtype):
 # This build moves host memory only, so a meta tensor stands in for a second device: the group
 # must be refused as a whole, naming the offending tensor and its device.
 
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("call", ["grouped_allreduce", "grouped_allreduce_async_",
-                                  "grouped_allgather", "grouped_reducescatter"])
+@pytest.mark.parametrize(
+    "call",
+    ["grouped_allreduce", "grouped_allreduce_async_", "grouped_allgather", "grouped_reducescatter"],
+)
 def test_row_mixed_devices_in_a_grouped_op(call):
     name = f"test_row_mixed_devices.{call}"
     group = [torch.ones(2 * size()), torch.ones(2 * size(), device="meta")]
-    fn = {"grouped_allreduce": lambda: mpidp.grouped_allreduce(group, name=name),
-          "grouped_allreduce_async_": lambda: mpidp.grouped_allreduce_async_(group, name=name),
-          "grouped_allgather": lambda: mpidp.grouped_allgather(group, name=name),
-          "grouped_reducescatter": lambda: mpidp.grouped_reducescatter(group, name=name)}[call]
+    fn = {
+        "grouped_allreduce": lambda: mpidp.grouped_allreduce(group, name=name),
+        "grouped_allreduce_async_": lambda: mpidp.grouped_allreduce_async_(group, name=name),
+        "grouped_allgather": lambda: mpidp.grouped_allgather(group, name=name),
+        "grouped_reducescatter": lambda: mpidp.grouped_reducescatter(group, name=name),
+    }[call]
     exc = raises_all(ValueError, fn)
     _words(exc, f"{name}.1", "meta", "host memory", ".cpu()")
     # The CPU tensor of the refused group was not enqueued: the group's names are free.
@@ -108,10 +132,10 @@ def test_row_mixed_devices_in_a_grouped_op(call):
 
 # ---- row: root rank out of range ----
 
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("offset", ["size", "negative"])
-@pytest.mark.parametrize("call", ["broadcast", "broadcast_", "broadcast_async",
-                                  "broadcast_async_"])
+@pytest.mark.parametrize("call", ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_"])
 def test_row_root_rank_out_of_range(call, offset):
     name = f"test_row_root_rank.{call}.{offset}"
     n = size()
@@ -123,17 +147,27 @@ def test_row_root_rank_out_of_range(call, offset):
 
 # ---- row: alltoall splits of the wrong type, length or sum ----
 
+
 def _splits_cases(n):
     return {
         "float list": (ValueError, [0.5] * n, ["integers", "[0.5"]),  # Horovod's type
         "float tensor": (ValueError, torch.ones(n), ["integers", "float32"]),
         "string": (TypeError, "1" * n, ["list or an integer tensor", "str"]),
-        "too long": (ValueError, [1] * (n + 1), [f"{n + 1} entries", f"{n} ranks",
-                                                 "one count per rank"]),
-        "too short": (ValueError, [1] * (n - 1), [f"{n - 1} entries", f"{n} ranks",
-                                                  "one count per rank"]),
-        "sum too big": (ValueError, [2 * n + 1] + [0] * (n - 1),
-                        [f"sum to {2 * n + 1}", f"only {2 * n} rows"]),
+        "too long": (
+            ValueError,
+            [1] * (n + 1),
+            [f"{n + 1} entries", f"{n} ranks", "one count per rank"],
+        ),
+        "too short": (
+            ValueError,
+            [1] * (n - 1),
+            [f"{n - 1} entries", f"{n} ranks", "one count per rank"],
+        ),
+        "sum too big": (
+            ValueError,
+            [2 * n + 1] + [0] * (n - 1),
+            [f"sum to {2 * n + 1}", f"only {2 * n} rows"],
+        ),
         "negative": (ValueError, [-1] + [1] * (n - 1), [">= 0"]),
     }
 
@@ -146,8 +180,9 @@ def test_row_alltoall_splits(call, case):
     if case == "too short" and size() == 1:
         pytest.skip("one rank: a list one too short is empty (see test_row_alltoall_empty_splits)")
     exc_type, splits, words = _splits_cases(size())[case]
-    exc = raises_all(exc_type, getattr(mpidp, call), torch.ones(2 * size(), 3), splits=splits,
-                     name=name)
+    exc = raises_all(
+        exc_type, getattr(mpidp, call), torch.ones(2 * size(), 3), splits=splits, name=name
+    )
     _words(exc, "splits", *words)
     _sum_works(name)
 
@@ -161,9 +196,9 @@ def test_row_alltoall_empty_splits():
 
 # ---- row: reducescatter of a scalar ----
 
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("call", ["reducescatter", "reducescatter_async",
-                                  "grouped_reducescatter"])
+@pytest.mark.parametrize("call", ["reducescatter", "reducescatter_async", "grouped_reducescatter"])
 def test_row_reducescatter_of_a_scalar(call):
     name = f"test_row_reducescatter_scalar.{call}"
     arg = [torch.tensor(1.0)] if call.startswith("grouped") else torch.tensor(1.0)
@@ -186,34 +221,61 @@ def test_row_non_finite_scale_factor(factor, value):
 
 # ---- row: an op a collective does not support ----
 
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["reducescatter Min", "reducescatter Product",
-                                  "allreduce Adasum of int", "allreduce unknown op",
-                                  "allreduce Average of bool", "sparse_allreduce Max"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "reducescatter Min",
+        "reducescatter Product",
+        "allreduce Adasum of int",
+        "allreduce unknown op",
+        "allreduce Average of bool",
+        "sparse_allreduce Max",
+    ],
+)
 def test_row_unsupported_reduce_op(case):
     name = f"test_row_unsupported_op.{case.replace(' ', '_')}"
     n = size()
     cases = {
-        "reducescatter Min": (ValueError, lambda: mpidp.reducescatter(
-            torch.ones(n), op=mpidp.Min, name=name), ["Min", "not supported",
-                                                      "mpidp.Average or mpidp.Sum"]),
-        "reducescatter Product": (ValueError, lambda: mpidp.reducescatter(
-            torch.ones(n), op=mpidp.Product, name=name), ["Product", "not supported",
-                                                          "mpidp.Average or mpidp.Sum"]),
+        "reducescatter Min": (
+            ValueError,
+            lambda: mpidp.reducescatter(torch.ones(n), op=mpidp.Min, name=name),
+            ["Min", "not supported", "mpidp.Average or mpidp.Sum"],
+        ),
+        "reducescatter Product": (
+            ValueError,
+            lambda: mpidp.reducescatter(torch.ones(n), op=mpidp.Product, name=name),
+            ["Product", "not supported", "mpidp.Average or mpidp.Sum"],
+        ),
         # Adasum needs floats, and (as in Horovod) a power-of-2 number of ranks, which a
         # world of 3 lacks before anything else (tests/mpi/test_adasum.py has the rest).
-        "allreduce Adasum of int": (TypeError, lambda: mpidp.allreduce(
-            torch.ones(2, dtype=torch.int32), op=mpidp.Adasum, name=name),
-            ["Adasum", "float32", "int32", "use mpidp.Sum"]) if n & (n - 1) == 0 else
-        (NotImplementedError, lambda: mpidp.allreduce(
-            torch.ones(2, dtype=torch.int32), op=mpidp.Adasum, name=name),
-            ["Adasum", "power-of-2", f"runs on {n}", "op=mpidp.Average"]),
-        "allreduce unknown op": (ValueError, lambda: mpidp.allreduce(
-            torch.ones(2), op=99, name=name), ["unknown reduce op 99", "mpidp.Average, Sum"]),
-        "allreduce Average of bool": (TypeError, lambda: mpidp.allreduce(
-            torch.ones(2, dtype=torch.bool), name=name), ["Average", "bool", "use Sum"]),
-        "sparse_allreduce Max": (ValueError, lambda: mpidp.sparse_allreduce_async(
-            torch.eye(2).to_sparse(), op=mpidp.Max, name=name), ["Average and Sum", "Max"]),
+        "allreduce Adasum of int": (
+            TypeError,
+            lambda: mpidp.allreduce(torch.ones(2, dtype=torch.int32), op=mpidp.Adasum, name=name),
+            ["Adasum", "float32", "int32", "use mpidp.Sum"],
+        )
+        if n & (n - 1) == 0
+        else (
+            NotImplementedError,
+            lambda: mpidp.allreduce(torch.ones(2, dtype=torch.int32), op=mpidp.Adasum, name=name),
+            ["Adasum", "power-of-2", f"runs on {n}", "op=mpidp.Average"],
+        ),
+        "allreduce unknown op": (
+            ValueError,
+            lambda: mpidp.allreduce(torch.ones(2), op=99, name=name),
+            ["unknown reduce op 99", "mpidp.Average, Sum"],
+        ),
+        "allreduce Average of bool": (
+            TypeError,
+            lambda: mpidp.allreduce(torch.ones(2, dtype=torch.bool), name=name),
+            ["Average", "bool", "use Sum"],
+        ),
+        "sparse_allreduce Max": (
+            ValueError,
+            lambda: mpidp.sparse_allreduce_async(torch.eye(2).to_sparse(), op=mpidp.Max, name=name),
+            ["Average and Sum", "Max"],
+        ),
     }
     exc_type, fn, words = cases[case]
     exc = raises_all(exc_type, fn)
@@ -223,30 +285,44 @@ def test_row_unsupported_reduce_op(case):
 
 # ---- row: what Horovod refuses with RuntimeError is a RuntimeError here too ----
 
+
 @pytest.mark.timeout(60)
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["reducescatter Adasum", "reducescatter Max",
-                                  "reducescatter of a scalar", "grouped_reducescatter of a scalar",
-                                  "alltoall of a scalar", "sparse_allreduce Max"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "reducescatter Adasum",
+        "reducescatter Max",
+        "reducescatter of a scalar",
+        "grouped_reducescatter of a scalar",
+        "alltoall of a scalar",
+        "sparse_allreduce Max",
+    ],
+)
 def test_row_horovod_runtime_errors_are_both(case):
     """Horovod scripts catch these as RuntimeError (Horovod's tests do), mpidp's callers as
     ValueError: the one exception is both, and mpidp.ArgumentError."""
     name = f"test_row_horovod_runtime_errors.{case.replace(' ', '_')}"
     n = size()
     cases = {
-        "reducescatter Adasum": lambda: mpidp.reducescatter(torch.ones(n), op=mpidp.Adasum,
-                                                            name=name),
+        "reducescatter Adasum": lambda: mpidp.reducescatter(
+            torch.ones(n), op=mpidp.Adasum, name=name
+        ),
         "reducescatter Max": lambda: mpidp.reducescatter(torch.ones(n), op=mpidp.Max, name=name),
         "reducescatter of a scalar": lambda: mpidp.reducescatter(torch.tensor(1.0), name=name),
         "grouped_reducescatter of a scalar": lambda: mpidp.grouped_reducescatter(
-            [torch.ones(n), torch.tensor(1.0)], name=name),
+            [torch.ones(n), torch.tensor(1.0)], name=name
+        ),
         "alltoall of a scalar": lambda: mpidp.alltoall(torch.tensor(1.0), name=name),
         "sparse_allreduce Max": lambda: mpidp.sparse_allreduce_async(
-            torch.eye(2).to_sparse(), op=mpidp.Max, name=name),
+            torch.eye(2).to_sparse(), op=mpidp.Max, name=name
+        ),
     }
     exc = raises_all(RuntimeError, cases[case])
-    assert_all(isinstance(exc, ValueError) and isinstance(exc, mpidp.ArgumentError),
-               f"{type(exc).__mro__} is not a ValueError and mpidp.ArgumentError")
+    assert_all(
+        isinstance(exc, ValueError) and isinstance(exc, mpidp.ArgumentError),
+        f"{type(exc).__mro__} is not a ValueError and mpidp.ArgumentError",
+    )
     _sum_works(name)
 
 
@@ -290,10 +366,13 @@ def test_row_use_after_shutdown():
     mpidp.shutdown()
     try:
         problems = []
-        for what, fn in (("allreduce", lambda: mpidp.allreduce(torch.ones(1), name=name)),
-                         ("allgather_async", lambda: mpidp.allgather_async(torch.ones(1))),
-                         ("size", mpidp.size), ("synchronize", lambda: mpidp.synchronize(handle)),
-                         ("barrier", mpidp.barrier)):
+        for what, fn in (
+            ("allreduce", lambda: mpidp.allreduce(torch.ones(1), name=name)),
+            ("allgather_async", lambda: mpidp.allgather_async(torch.ones(1))),
+            ("size", mpidp.size),
+            ("synchronize", lambda: mpidp.synchronize(handle)),
+            ("barrier", mpidp.barrier),
+        ):
             try:
                 fn()
                 problems.append(f"{what} worked after shutdown()")
@@ -310,6 +389,7 @@ def test_row_use_after_shutdown():
 
 # ---- row: duplicate names ----
 
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("second", ["allreduce_async", "allgather_async", "grouped_allreduce"])
 def test_row_duplicate_name_in_flight(second):
@@ -322,16 +402,25 @@ def test_row_duplicate_name_in_flight(second):
     first = None if last else mpidp.allreduce_async(torch.ones(2), op=mpidp.Sum, name=in_flight)
     problem = ""
     if not last:
-        fn = {"allreduce_async": lambda: mpidp.allreduce_async(torch.ones(2), name=name),
-              "allgather_async": lambda: mpidp.allgather_async(torch.ones(2), name=name),
-              "grouped_allreduce": lambda: mpidp.grouped_allreduce([torch.ones(2)],
-                                                                   name=name)}[second]
+        fn = {
+            "allreduce_async": lambda: mpidp.allreduce_async(torch.ones(2), name=name),
+            "allgather_async": lambda: mpidp.allgather_async(torch.ones(2), name=name),
+            "grouped_allreduce": lambda: mpidp.grouped_allreduce([torch.ones(2)], name=name),
+        }[second]
         try:
             fn()
             problem = "the second op under the same name was accepted"
         except ValueError as e:
-            missing = [w for w in (repr(in_flight), "already in flight", "synchronize it first",
-                                   "unique name") if w not in str(e)]
+            missing = [
+                w
+                for w in (
+                    repr(in_flight),
+                    "already in flight",
+                    "synchronize it first",
+                    "unique name",
+                )
+                if w not in str(e)
+            ]
             problem = f"message {str(e)!r} lacks {missing}" if missing else ""
         except Exception as e:  # noqa: BLE001 - the wrong error type is a failure here
             problem = f"{type(e).__name__}: {e}"
@@ -367,8 +456,7 @@ def test_row_mpi_thread_level_too_low():
         line = next((ln for ln in out.splitlines() if ln.startswith("REFUSED:")), "")
         if code != 0 or not line:
             problems.append(f"not refused (exit {code}): {out}")
-        for word in ("'single'", "at least 'serialized'", "MPI4PY_RC_THREAD_LEVEL",
-                     "'multiple'"):
+        for word in ("'single'", "at least 'serialized'", "MPI4PY_RC_THREAD_LEVEL", "'multiple'"):
             if word not in line:
                 problems.append(f"message lacks {word!r}: {line}")
     assert_all(not problems, "; ".join(problems))
@@ -404,5 +492,6 @@ def test_row_malformed_knob(var, value, accepted):
     _words(exc, "rank 0:", f"{var}={value!r}", "is not valid")
     # The accepted values are named in the reason, not only in the knob's documentation.
     reason = str(exc).split("is not valid:", 1)[-1].split(". ", 1)[0]
-    assert_all(accepted in reason, f"the reason {reason!r} does not say what is accepted "
-                                   f"({accepted!r})")
+    assert_all(
+        accepted in reason, f"the reason {reason!r} does not say what is accepted ({accepted!r})"
+    )

@@ -3,15 +3,16 @@
 import pytest
 import torch
 import torch.nn as nn
+from mpi_util import assert_all, gather, raises_all, run_all
 
 import mpidp
-from mpi_util import assert_all, gather, raises_all, run_all
 
 
 def _conv(seed):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).to(
-        memory_format=torch.channels_last)
+        memory_format=torch.channels_last
+    )
 
 
 @pytest.mark.mpi
@@ -48,25 +49,33 @@ def test_broadcast_optimizer_state_with_complex_state():
     opt.step()
     run_all(mpidp.broadcast_optimizer_state, opt, root_rank=0)
     avg = opt.state[p]["exp_avg"]
-    ok = avg.is_complex() and torch.allclose(avg, torch.full((3,), 0.1 + 0.2j,
-                                                             dtype=torch.complex64))
+    ok = avg.is_complex() and torch.allclose(
+        avg, torch.full((3,), 0.1 + 0.2j, dtype=torch.complex64)
+    )
     assert_all(ok, f"exp_avg {avg.tolist()}")
 
 
 def _make_local_class():
     class Local:  # defined in a function: plain pickle refuses it
         x = 7
+
     return Local
 
 
 @pytest.mark.mpi
 def test_objects_are_pickled_as_horovod_does_lambdas_and_local_classes():
     r = mpidp.rank()
-    got = run_all(mpidp.broadcast_object,
-                  {"fn": lambda v: v + 1, "cls": _make_local_class()} if r == 0 else None, 0)
+    got = run_all(
+        mpidp.broadcast_object,
+        {"fn": lambda v: v + 1, "cls": _make_local_class()} if r == 0 else None,
+        0,
+    )
     every = run_all(mpidp.allgather_object, lambda: r)
-    ok = got["fn"](1) == 2 and got["cls"].x == 7 and [f() for f in every] == list(
-        range(mpidp.size()))
+    ok = (
+        got["fn"](1) == 2
+        and got["cls"].x == 7
+        and [f() for f in every] == list(range(mpidp.size()))
+    )
     assert_all(ok, f"{got}, {every}")
 
 

@@ -8,19 +8,20 @@ import signal
 import numpy as np
 import pytest
 import torch
+from mpi_util import assert_all, gather, raises_all, run_all
 
 import mpidp
 from mpidp import checkpoint
 from mpidp.elastic import ElasticSampler
-from mpi_util import assert_all, gather, raises_all, run_all
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _model(seed):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4),
-                               torch.nn.Linear(4, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)
+    )
 
 
 def _train(model, opt, steps, seed):
@@ -34,8 +35,12 @@ def _train(model, opt, steps, seed):
 
 
 def _draws():
-    return (torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random(),
-            np.random.randn())  # randn last: numpy's cached gaussian is part of the state
+    return (
+        torch.rand(3).tolist(),
+        np.random.rand(3).tolist(),
+        random.random(),
+        np.random.randn(),
+    )  # randn last: numpy's cached gaussian is part of the state
 
 
 def _seed_all(seed):
@@ -46,8 +51,9 @@ def _seed_all(seed):
 
 
 def _same_state(a, b):
-    return set(a) == set(b) and all(a[k].device == b[k].device and torch.equal(a[k], b[k])
-                                    for k in a)
+    return set(a) == set(b) and all(
+        a[k].device == b[k].device and torch.equal(a[k], b[k]) for k in a
+    )
 
 
 def _cpu_state(model):
@@ -64,8 +70,15 @@ def test_round_trip_model_optimizer_values_sampler_and_rng(shared_dir):
     sampler.set_epoch(2)
     sampler.record_batch(1, 4)
     _seed_all(1000 + rank)
-    run_all(checkpoint.save, path, model=model, optimizer=opt, sampler=sampler, epoch=7,
-            extra={"lr": [0.1, 0.2], "name": "run"})
+    run_all(
+        checkpoint.save,
+        path,
+        model=model,
+        optimizer=opt,
+        sampler=sampler,
+        epoch=7,
+        extra={"lr": [0.1, 0.2], "name": "run"},
+    )
     expected = _draws()
     saved_model = gather({k: v.clone() for k, v in model.state_dict().items()})[0]
 
@@ -73,24 +86,28 @@ def test_round_trip_model_optimizer_values_sampler_and_rng(shared_dir):
     fresh = _model(seed=99)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
     fresh_sampler = ElasticSampler(list(range(50)), seed=3)
-    rest = run_all(checkpoint.load, path, model=fresh, optimizer=fresh_opt,
-                   sampler=fresh_sampler)
+    rest = run_all(checkpoint.load, path, model=fresh, optimizer=fresh_opt, sampler=fresh_sampler)
     got = _draws()
     assert_all(got == expected, f"RNG draws after load {got} != after save {expected}")
     every = gather(got)
     assert_all(mpidp.size() == 1 or every[0] != every[1], "ranks got the same RNG state back")
-    assert_all(rest == {"epoch": 7, "extra": {"lr": [0.1, 0.2], "name": "run"}},
-               f"values returned: {rest}")
+    assert_all(
+        rest == {"epoch": 7, "extra": {"lr": [0.1, 0.2], "name": "run"}}, f"values returned: {rest}"
+    )
     assert_all(_same_state(fresh.state_dict(), saved_model), "model is not rank 0's")
-    assert_all(fresh_sampler.state_dict() == {"epoch": 2, "processed": 8 * mpidp.size(),
-                                              "seed": 3},
-               f"sampler state {fresh_sampler.state_dict()}")
+    assert_all(
+        fresh_sampler.state_dict() == {"epoch": 2, "processed": 8 * mpidp.size(), "seed": 3},
+        f"sampler state {fresh_sampler.state_dict()}",
+    )
     # Rank 0's optimizer and the loaded ones take the same next step.
     opt_state = gather(opt.state_dict())[0]
     loaded = fresh_opt.state_dict()
     assert_all(loaded["param_groups"][0]["lr"] == 0.01, "lr not restored")
-    ok = all(torch.equal(loaded["state"][i][k], opt_state["state"][i][k])
-             for i in opt_state["state"] for k in ("exp_avg", "exp_avg_sq", "step"))
+    ok = all(
+        torch.equal(loaded["state"][i][k], opt_state["state"][i][k])
+        for i in opt_state["state"]
+        for k in ("exp_avg", "exp_avg_sq", "step")
+    )
     assert_all(ok, "Adam state differs from rank 0's")
 
 
@@ -98,25 +115,32 @@ def test_distributed_optimizer_round_trip(shared_dir, device):
     """A model and optimizer on `device` saved and loaded into fresh ones on that device."""
     path = os.path.join(shared_dir, f"dist.{device.type}.pt")
     model = _model(seed=0).to(device)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+    )
     _train(model, opt, 2, seed=mpidp.rank())
     run_all(checkpoint.save, path, model=model, optimizer=opt)
     fresh = _model(seed=1).to(device)
     fresh_opt = mpidp.DistributedOptimizer(
         torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=fresh.named_parameters())
+        named_parameters=fresh.named_parameters(),
+    )
     run_all(checkpoint.load, path, model=fresh, optimizer=fresh_opt)
     # Gradients are averaged, so parameters and momentum agree; BatchNorm's running statistics
     # do not (each rank saw its own data), and the loaded ones must be rank 0's.
     bufs = [fresh_opt.state[p]["momentum_buffer"] for p in fresh.parameters()]
     want = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
-    assert_all(all(a.device == device and torch.equal(a, b) for a, b in zip(bufs, want)),
-               "momentum differs, or is not on the model's device")
+    assert_all(
+        all(a.device == device and torch.equal(a, b) for a, b in zip(bufs, want)),
+        "momentum differs, or is not on the model's device",
+    )
     rank0 = gather(_cpu_state(model))[0]
     on_device = all(v.device == device for v in fresh.state_dict().values())
-    assert_all(on_device and _same_state(_cpu_state(fresh), rank0),
-               "model is not rank 0's, or is not on its device")
+    assert_all(
+        on_device and _same_state(_cpu_state(fresh), rank0),
+        "model is not rank 0's, or is not on its device",
+    )
 
 
 def test_missing_file_fails_every_rank(shared_dir):
@@ -132,8 +156,10 @@ def test_unwritable_location_fails_every_rank(shared_dir, where):
         with open(blocker, "w") as f:
             f.write("x")
     mpidp.barrier()
-    path = os.path.join(blocker if where == "parent is a file" else
-                        os.path.join(shared_dir, "missing_dir"), "ckpt.pt")
+    path = os.path.join(
+        blocker if where == "parent is a file" else os.path.join(shared_dir, "missing_dir"),
+        "ckpt.pt",
+    )
     exc = raises_all(checkpoint.CheckpointError, checkpoint.save, path, epoch=1)
     assert_all("failed on rank 0" in str(exc), str(exc))
 
@@ -148,23 +174,29 @@ def test_disk_full_keeps_previous_checkpoint_and_fails_every_rank(shared_dir):
         # A file-size limit makes write() fail with EFBIG, as a full disk fails it with ENOSPC.
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, old_limit[1]))
     try:
-        exc = raises_all(checkpoint.CheckpointError, checkpoint.save, path, weights=big,
-                         version=2)
+        exc = raises_all(checkpoint.CheckpointError, checkpoint.save, path, weights=big, version=2)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert_all("File too large" in str(exc), str(exc))
     rest = run_all(checkpoint.load, path)
-    assert_all(rest["version"] == 1 and torch.equal(rest["weights"], torch.zeros(10)),
-               f"previous checkpoint changed: {rest}")
+    assert_all(
+        rest["version"] == 1 and torch.equal(rest["weights"], torch.zeros(10)),
+        f"previous checkpoint changed: {rest}",
+    )
     leftovers = [e for e in os.listdir(shared_dir) if ".tmp-" in e] if mpidp.rank() == 0 else []
     assert_all(not leftovers, f"temporary files left: {leftovers}")
 
 
 def test_value_a_weights_only_load_refuses_fails_every_rank_and_writes_nothing(shared_dir):
     path = os.path.join(shared_dir, "refused.pt")
-    exc = raises_all(checkpoint.CheckpointError, checkpoint.save, path,
-                     stats={"hist": np.zeros(3)}, match="stats")
+    exc = raises_all(
+        checkpoint.CheckpointError,
+        checkpoint.save,
+        path,
+        stats={"hist": np.zeros(3)},
+        match="stats",
+    )
     assert_all("numpy" in str(exc) and "weights_only" in str(exc), str(exc))
     assert_all(not os.path.exists(path) or mpidp.rank() != 0, "a file was written")
 
@@ -177,7 +209,9 @@ def test_distributed_sampler_is_stored_as_its_epoch(shared_dir):
 
     def sampler():
         return torch.utils.data.distributed.DistributedSampler(
-            data, num_replicas=mpidp.size(), rank=mpidp.rank(), seed=5)
+            data, num_replicas=mpidp.size(), rank=mpidp.rank(), seed=5
+        )
+
     saved = sampler()
     saved.set_epoch(3)
     run_all(checkpoint.save, path, sampler=saved, epoch=3)
@@ -194,8 +228,9 @@ class _Opaque:
 
 def test_an_object_without_state_is_refused_with_what_to_do(shared_dir):
     path = os.path.join(shared_dir, "opaque.pt")
-    exc = raises_all(checkpoint.CheckpointError, checkpoint.save, path, thing=_Opaque(),
-                     match="thing")
+    exc = raises_all(
+        checkpoint.CheckpointError, checkpoint.save, path, thing=_Opaque(), match="thing"
+    )
     assert_all("state_dict()" in str(exc) and "set_epoch()" in str(exc), str(exc))
 
 
@@ -206,10 +241,20 @@ def test_reserved_name_is_refused():
 def test_target_not_in_checkpoint_and_plain_value_target(shared_dir):
     path = os.path.join(shared_dir, "targets.pt")
     run_all(checkpoint.save, path, epoch=3)
-    raises_all(checkpoint.CheckpointError, checkpoint.load, path, model=_model(0),
-               match="holds no ['model']")
-    raises_all(checkpoint.CheckpointError, checkpoint.load, path,
-               epoch=ElasticSampler(range(4)), match="plain value")
+    raises_all(
+        checkpoint.CheckpointError,
+        checkpoint.load,
+        path,
+        model=_model(0),
+        match="holds no ['model']",
+    )
+    raises_all(
+        checkpoint.CheckpointError,
+        checkpoint.load,
+        path,
+        epoch=ElasticSampler(range(4)),
+        match="plain value",
+    )
 
 
 @pytest.mark.parametrize("content", ["foreign", "truncated"])

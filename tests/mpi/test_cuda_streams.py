@@ -10,9 +10,9 @@ import contextlib
 
 import pytest
 import torch
+from mpi_util import assert_all, rank, size, tensor_diff
 
 import mpidp
-from mpi_util import assert_all, rank, size, tensor_diff
 
 STALE = -1000.0  # what a tensor holds before its producer's kernel has run
 N = 1 << 16
@@ -77,13 +77,18 @@ def test_allreduce_waits_for_the_producer_stream(device, form):
 def test_allgather_and_broadcast_wait_for_the_producer_stream(device):
     producer, consumer = _streams(device)
     n, me = size(), rank()
-    gathered = mpidp.allgather(_late(float(me), device, producer).view(1, N),
-                               name="test_cuda_streams.allgather")
+    gathered = mpidp.allgather(
+        _late(float(me), device, producer).view(1, N), name="test_cuda_streams.allgather"
+    )
     root = n - 1
     sent = _late(float(7 + me), device, producer)
     got = mpidp.broadcast(sent, root_rank=root, name="test_cuda_streams.broadcast")
-    problems = [tensor_diff(_consume(gathered, consumer),
-                            torch.arange(n, dtype=torch.float32).view(n, 1).expand(n, N)),
-                tensor_diff(_consume(got, consumer), torch.full((N,), float(7 + root)))]
+    problems = [
+        tensor_diff(
+            _consume(gathered, consumer),
+            torch.arange(n, dtype=torch.float32).view(n, 1).expand(n, N),
+        ),
+        tensor_diff(_consume(got, consumer), torch.full((N,), float(7 + root))),
+    ]
     problems = [p for p in problems if p]
     assert_all(not problems, "; ".join(problems))

@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mpi_util import assert_all, gather, max_deviation, my_rows, raises_all, row_batches, run_all
 
 import mpidp
 from mpidp.training.step_state import Phase
-from mpi_util import (assert_all, gather, max_deviation, my_rows, raises_all, row_batches,
-                      run_all)
 
 ROWS = 3  # rows per rank
 
@@ -38,8 +37,9 @@ def _bitwise_alike(model):
 
 
 def _wrapped(model, make, overlapping):
-    opt = mpidp.DistributedOptimizer(make(model.parameters()),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        make(model.parameters()), named_parameters=model.named_parameters()
+    )
     opt._overlap = overlapping
     return opt
 
@@ -73,15 +73,19 @@ def test_step_with_a_closure_averages_each_evaluation(kind, overlapping):
     """step(closure): the closure's gradients are averaged (they were stepped unreduced, and
     the replicas drifted apart), and so is its loss, so that LBFGS's line search decides alike
     on every rank: the run equals one process on the whole batch."""
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.3, momentum=0.5),
-            "lbfgs": lambda ps: torch.optim.LBFGS(ps, lr=0.5, max_iter=4,
-                                                  line_search_fn="strong_wolfe")}[kind]
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.3, momentum=0.5),
+        "lbfgs": lambda ps: torch.optim.LBFGS(
+            ps, lr=0.5, max_iter=4, line_search_fn="strong_wolfe"
+        ),
+    }[kind]
     model = _model()
     ref = copy.deepcopy(model)
     opt = _wrapped(model, make, overlapping)
     ref_opt = make(ref.parameters())
     losses = []
     for x, y in _batches(3):
+
         def closure():
             opt.zero_grad()
             loss = F.cross_entropy(model(_mine(x)), _mine(y))
@@ -93,6 +97,7 @@ def test_step_with_a_closure_averages_each_evaluation(kind, overlapping):
             loss = F.cross_entropy(ref(x), y)
             loss.backward()
             return loss
+
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "reduced a second time"
             got = run_all(opt.step, closure)
@@ -100,8 +105,10 @@ def test_step_with_a_closure_averages_each_evaluation(kind, overlapping):
         losses.append((float(got), want.item()))
     err = _deviation(model, ref)
     loss_err = max(abs(a - b) for a, b in losses)
-    assert_all(err < 1e-9 and loss_err < 1e-12 and _bitwise_alike(model),
-               f"deviation {err}, losses {losses}")
+    assert_all(
+        err < 1e-9 and loss_err < 1e-12 and _bitwise_alike(model),
+        f"deviation {err}, losses {losses}",
+    )
 
 
 @pytest.mark.mpi
@@ -132,9 +139,11 @@ def test_a_user_hook_returning_a_value_is_named():
     model[0].weight.register_post_accumulate_grad_hook(lambda p: p.grad * 1)
     opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.1), False)
     x, y = _batches(1)[0]
-    err = raises_all(RuntimeError, lambda: F.cross_entropy(model(_mine(x)),
-                                                            _mine(y)).backward(),
-                     match="must return None")
+    err = raises_all(
+        RuntimeError,
+        lambda: F.cross_entropy(model(_mine(x)), _mine(y)).backward(),
+        match="must return None",
+    )
     assert_all(err is not None)
     del opt
 
@@ -164,13 +173,14 @@ def test_ranks_reaching_different_parameters_over_two_backward_passes(overlappin
 
     def second(m, x):
         return m.b(x).sin().mean()
+
     for x, _ in _batches(3):
         opt.zero_grad()
         first(model, _mine(x), mpidp.rank()).backward()
         second(model, _mine(x)).backward()
         run_all(opt.step)
         ref_opt.zero_grad()
-        rows = [x[k * ROWS:(k + 1) * ROWS] for k in range(n)]
+        rows = [x[k * ROWS : (k + 1) * ROWS] for k in range(n)]
         (sum(first(ref, xr, k) + second(ref, xr) for k, xr in enumerate(rows)) / n).backward()
         ref_opt.step()
     err = _deviation(model, ref)
@@ -184,9 +194,11 @@ def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant, whole):
     """A reentrant checkpoint runs a backward pass nested in the outer one: its end is not the
     step's (the outer pass's is), so nothing is reduced before every gradient is there."""
     from torch.utils.checkpoint import checkpoint
+
     torch.manual_seed(2)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(),
-                          nn.Linear(6, 3)).double()
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)
+    ).double()
     ref = copy.deepcopy(model)
     opt = _wrapped(model, lambda ps: torch.optim.SGD(ps, lr=0.2), True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
@@ -202,8 +214,10 @@ def test_checkpointed_segments_reduce_once_at_the_outer_end(reentrant, whole):
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
     err = _deviation(model, ref)
-    assert_all(err < 1e-10 and reduced and _bitwise_alike(model),
-               f"deviation {err}, reduced in backward {reduced}")
+    assert_all(
+        err < 1e-10 and reduced and _bitwise_alike(model),
+        f"deviation {err}, reduced in backward {reduced}",
+    )
 
 
 class _EmbedAndHead(nn.Module):
@@ -223,8 +237,10 @@ def test_two_optimizers_whose_gradients_come_in_a_different_order_on_each_rank(o
     sparse kinds are agreed under its own name (the two agreements were matched across ranks)."""
     model = _EmbedAndHead()
     ref = copy.deepcopy(model)
-    opts = [_wrapped(m, lambda ps: torch.optim.SGD(ps, lr=0.1), overlapping)
-            for m in (model.emb, model.head)]
+    opts = [
+        _wrapped(m, lambda ps: torch.optim.SGD(ps, lr=0.1), overlapping)
+        for m in (model.emb, model.head)
+    ]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     n, r = mpidp.size(), mpidp.rank()
     g = torch.Generator().manual_seed(9)
@@ -232,6 +248,7 @@ def test_two_optimizers_whose_gradients_come_in_a_different_order_on_each_rank(o
     def loss(m, ids, k):
         e = m.emb(ids).sum(0)
         return (m.head(e).pow(2).sum() + e.sum()) if k % 2 else (e.sum() + m.head(e).pow(2).sum())
+
     for _ in range(3):
         ids = torch.randint(0, 10, (n, 3), generator=g)
         for o in opts:
@@ -252,6 +269,7 @@ def test_a_disabled_sharded_grad_scaler_still_reduces(in_backward):
     """ShardedGradScaler(enabled=False) stepped inside skip_synchronize() without having
     reduced anything: the replicas drifted apart when backward did not reduce."""
     from test_optimizer import _reinit
+
     try:
         run_all(_reinit, reduce_in_backward=in_backward)
         model = _model()

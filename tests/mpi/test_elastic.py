@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
+from mpi_util import assert_all, gather, raises_all, run_all
 
 import mpidp
 from mpidp import checkpoint, elastic
 from mpidp.runtime import world
-from mpi_util import assert_all, gather, raises_all, run_all
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,6 +36,7 @@ def _equal(a, b):
 
 # ---- ObjectState ----
 
+
 def test_object_state_commit_and_restore():
     state = elastic.ObjectState(epoch=0, history=[1])
     state.epoch, state.history = 5, state.history + [2]
@@ -59,14 +60,20 @@ def test_object_state_sync_makes_rank0s_values_everywhere():
     assert_all(state.epoch == 0, f"restore after sync gave {state.epoch}")
 
 
-@pytest.mark.parametrize("cls, kwargs", [(elastic.ObjectState, {"commit": 1}),
-                                         (elastic.ObjectState, {"_hidden": 1}),
-                                         (elastic.TorchState, {"sync": 2})])
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (elastic.ObjectState, {"commit": 1}),
+        (elastic.ObjectState, {"_hidden": 1}),
+        (elastic.TorchState, {"sync": 2}),
+    ],
+)
 def test_names_that_hide_methods_are_refused(cls, kwargs):
     raises_all(ValueError, cls, **kwargs)
 
 
 # ---- TorchState ----
+
 
 def test_torch_state_commit_restore_model_optimizer_and_values():
     model = _model(0)
@@ -81,9 +88,12 @@ def test_torch_state_commit_restore_model_optimizer_and_values():
         _step(model, opt, seed)
     state.epoch = 3
     state.restore()
-    ok = _equal(_params(model), committed) and state.epoch == 1 and \
-        _equal([opt.state[p]["exp_avg"] for p in model.parameters()], committed_avg) and \
-        int(opt.state[next(model.parameters())]["step"]) == 1
+    ok = (
+        _equal(_params(model), committed)
+        and state.epoch == 1
+        and _equal([opt.state[p]["exp_avg"] for p in model.parameters()], committed_avg)
+        and int(opt.state[next(model.parameters())]["step"]) == 1
+    )
     assert_all(ok, "restore did not return model, Adam state and values to the commit")
     _step(model, opt, 4)  # steps after a restore must not change the commit itself
     state.restore()
@@ -99,26 +109,42 @@ def test_torch_state_sync_makes_everything_rank0s():
     sampler.set_epoch(rank + 1)
     state = elastic.TorchState(model, opt, sampler=sampler, batch=rank)
     state.sync()
-    rank0 = gather((_params(model), opt.param_groups[0]["lr"],
-                    [opt.state[p]["momentum_buffer"] for p in model.parameters()],
-                    sampler.state_dict(), state.batch))[0]
-    mine = (_params(model), opt.param_groups[0]["lr"],
+    rank0 = gather(
+        (
+            _params(model),
+            opt.param_groups[0]["lr"],
             [opt.state[p]["momentum_buffer"] for p in model.parameters()],
-            sampler.state_dict(), state.batch)
-    ok = _equal(mine[0], rank0[0]) and mine[1] == rank0[1] and _equal(mine[2], rank0[2]) \
+            sampler.state_dict(),
+            state.batch,
+        )
+    )[0]
+    mine = (
+        _params(model),
+        opt.param_groups[0]["lr"],
+        [opt.state[p]["momentum_buffer"] for p in model.parameters()],
+        sampler.state_dict(),
+        state.batch,
+    )
+    ok = (
+        _equal(mine[0], rank0[0])
+        and mine[1] == rank0[1]
+        and _equal(mine[2], rank0[2])
         and mine[3:] == rank0[3:] == ({"epoch": 1, "processed": 0, "seed": 0}, 0)
+    )
     assert_all(ok, f"after sync: {mine[1:]} vs rank 0's {rank0[1:]}")
 
 
 # ---- persisted commits and run ----
+
 
 def test_run_without_a_commit_syncs_and_calls_func(shared_dir):
     path = os.path.join(shared_dir, "none.pt")
     rank = mpidp.rank()
     model = _model(rank)
     calls = []
-    state = elastic.TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               checkpoint_path=path, epoch=rank)
+    state = elastic.TorchState(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_path=path, epoch=rank
+    )
     state.register_reset_callbacks([lambda: calls.append("reset")])
 
     @elastic.run
@@ -127,8 +153,10 @@ def test_run_without_a_commit_syncs_and_calls_func(shared_dir):
 
     result = run_all(train, state, 10)
     rank0 = gather(_params(model))[0]
-    assert_all(result == 0 and calls == [] and _equal(_params(model), rank0),
-               f"result {result}, callbacks {calls}")
+    assert_all(
+        result == 0 and calls == [] and _equal(_params(model), rank0),
+        f"result {result}, callbacks {calls}",
+    )
 
 
 def test_run_resumes_from_the_persisted_commit(shared_dir):
@@ -152,8 +180,9 @@ def test_run_resumes_from_the_persisted_commit(shared_dir):
     fresh = _model(5)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.05)
     fresh_sampler = elastic.ElasticSampler(range(64), seed=1)
-    again = elastic.TorchState(fresh, fresh_opt, checkpoint_path=path, sampler=fresh_sampler,
-                               epoch=0)
+    again = elastic.TorchState(
+        fresh, fresh_opt, checkpoint_path=path, sampler=fresh_sampler, epoch=0
+    )
     calls = []
     again.register_reset_callbacks([lambda: calls.append(again.epoch)])
     seen = {}
@@ -166,10 +195,14 @@ def test_run_resumes_from_the_persisted_commit(shared_dir):
         return "done"
 
     assert_all(run_all(train, again) == "done")
-    ok = _equal(_params(fresh), committed) and seen["epoch"] == 2 and calls == [2] and \
-        seen["sampler"] == {"epoch": 2, "processed": 4 * mpidp.size(), "seed": 1} and \
-        torch.equal(seen["draw"], expected_draw) and \
-        int(fresh_opt.state[next(fresh.parameters())]["step"]) == 1
+    ok = (
+        _equal(_params(fresh), committed)
+        and seen["epoch"] == 2
+        and calls == [2]
+        and seen["sampler"] == {"epoch": 2, "processed": 4 * mpidp.size(), "seed": 1}
+        and torch.equal(seen["draw"], expected_draw)
+        and int(fresh_opt.state[next(fresh.parameters())]["step"]) == 1
+    )
     assert_all(ok, f"resumed state: {seen}, callbacks {calls}")
 
 
@@ -180,8 +213,11 @@ def test_knob_path_is_used_and_rank0s_path_counts(shared_dir, monkeypatch):
     monkeypatch.setattr(st, "config", dataclasses.replace(st.config, elastic_checkpoint=path))
     state = elastic.ObjectState(epoch=3)
     run_all(state.commit)
-    files = sorted(e for e in os.listdir(shared_dir) if e.startswith("knob")) \
-        if rank == 0 else ["knob0.pt"]
+    files = (
+        sorted(e for e in os.listdir(shared_dir) if e.startswith("knob"))
+        if rank == 0
+        else ["knob0.pt"]
+    )
     assert_all(files == ["knob0.pt"], f"files written: {files}")
     values = run_all(checkpoint.load, os.path.join(shared_dir, "knob0.pt"))
     assert_all(values == {"epoch": 3}, str(values))
@@ -205,9 +241,12 @@ def test_corrupt_commit_is_an_error_not_a_fresh_start(shared_dir):
 
 # ---- ElasticSampler ----
 
+
 def _shards(n, dataset_len=23, **kwargs):
-    return [elastic.ElasticSampler(range(dataset_len), num_replicas=n, rank=r, **kwargs)
-            for r in range(n)]
+    return [
+        elastic.ElasticSampler(range(dataset_len), num_replicas=n, rank=r, **kwargs)
+        for r in range(n)
+    ]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -225,12 +264,15 @@ def test_sampler_shards_cover_the_data_set_once(n, drop_last):
 
 
 def test_sampler_order_depends_on_epoch_and_seed_only():
-    a, b, c = (elastic.ElasticSampler(range(30), seed=s, num_replicas=1, rank=0)
-               for s in (1, 1, 2))
+    a, b, c = (elastic.ElasticSampler(range(30), seed=s, num_replicas=1, rank=0) for s in (1, 1, 2))
     first = list(a)
     a.set_epoch(1)
-    ok = list(b) == first and list(c) != first and list(a) != first and \
-        sorted(first) == list(range(30))
+    ok = (
+        list(b) == first
+        and list(c) != first
+        and list(a) != first
+        and sorted(first) == list(range(30))
+    )
     unshuffled = elastic.ElasticSampler(range(7), shuffle=False, num_replicas=2, rank=1)
     assert_all(ok and list(unshuffled) == [1, 3, 5, 0], f"{first} {list(unshuffled)}")
 
@@ -244,7 +286,7 @@ def test_sampler_resumes_mid_epoch_without_repeating(before, after):
     shards = [list(s) for s in samplers]
     for s in samplers:
         s.record_batch(done_batches - 1, batch)
-    done = sorted(i for part in shards for i in part[:batch * done_batches])
+    done = sorted(i for part in shards for i in part[: batch * done_batches])
     states = {tuple(sorted(s.state_dict().items())) for s in samplers}
     resumed = _shards(after, dataset_len=37, seed=0)
     for s in resumed:
@@ -255,11 +297,14 @@ def test_sampler_resumes_mid_epoch_without_repeating(before, after):
     padding = -(-left // after) * after - left
     # Every sample not done comes exactly once; the only repeats are the padding of the last round.
     fresh = [i for i in rest_flat if i not in done]
-    ok = len(states) == 1 and len(done) == len(set(done)) == before * batch * done_batches \
-        and sorted(fresh) == sorted(set(range(37)) - set(done)) \
+    ok = (
+        len(states) == 1
+        and len(done) == len(set(done)) == before * batch * done_batches
+        and sorted(fresh) == sorted(set(range(37)) - set(done))
         and len(rest_flat) == left + padding
+    )
     if before == after:  # the same ranks continue exactly where they were, padding included
-        ok = ok and all(rest[r] == shards[r][batch * done_batches:] for r in range(after))
+        ok = ok and all(rest[r] == shards[r][batch * done_batches :] for r in range(after))
     assert_all(ok, f"done {done}, rest {rest}")
 
 
@@ -285,8 +330,7 @@ def test_sampler_uses_mpidp_world_by_default():
     s = elastic.ElasticSampler(range(30), seed=2)
     parts = gather(list(s))
     flat = [i for part in parts for i in part]
-    assert_all(set(flat) == set(range(30)) and s.num_replicas == mpidp.size(),
-               f"{parts}")
+    assert_all(set(flat) == set(range(30)) and s.num_replicas == mpidp.size(), f"{parts}")
 
 
 def test_sampler_get_and_record_indices_as_in_horovod():
@@ -302,8 +346,12 @@ def test_sampler_get_and_record_indices_as_in_horovod():
         for s in by_batch:
             s.record_batch(b, 4)
     same = all(a.state_dict() == b.state_dict() for a, b in zip(by_batch, by_indices))
-    ok = same and by_indices[0].processed == 24 - 1 and \
-        by_indices[0].processed_indices == set(range(23)) and len(done) == 23
+    ok = (
+        same
+        and by_indices[0].processed == 24 - 1
+        and by_indices[0].processed_indices == set(range(23))
+        and len(done) == 23
+    )
     first = _shards(2, dataset_len=23, seed=5)
     for s in first:
         s.record_indices(s.get_indices(0, 3))

@@ -3,9 +3,9 @@ caller's thread; every case it does not cover falls back to the general path, sa
 
 import pytest
 import torch
+from mpi_util import assert_all, check_tensor, gather, raises_all, rank, run_all, size
 
 import mpidp
-from mpi_util import assert_all, check_tensor, gather, raises_all, rank, run_all, size
 
 
 def _engine():
@@ -26,6 +26,7 @@ class _Spy:
             taken = self.original(*args)
             self.taken += taken
             return taken
+
         self.eng.express = spy
         return self
 
@@ -39,8 +40,8 @@ CASES = [  # (dtype, op, prescale, postscale, shape)
     (torch.float64, mpidp.Max, 1.0, 1.0, ()),
     (torch.int32, mpidp.Min, 1.0, 1.0, (5,)),
     (torch.int64, mpidp.Average, 1.0, 1.0, (4,)),
-    (torch.float32, mpidp.Sum, 2.0, 0.5, (7,)),      # prescale: the general data path
-    (torch.float16, mpidp.Sum, 1.0, 1.0, (6,)),      # 16-bit: the general data path
+    (torch.float32, mpidp.Sum, 2.0, 0.5, (7,)),  # prescale: the general data path
+    (torch.float16, mpidp.Sum, 1.0, 1.0, (6,)),  # 16-bit: the general data path
     (torch.bool, mpidp.Sum, 1.0, 1.0, (3,)),
 ]
 
@@ -76,8 +77,9 @@ def test_repeated_named_allreduce_takes_the_express_lane_with_exact_results(case
             t = torch.full(shape, rank() + step + 1, dtype=torch.float64).to(dtype)
             before = t.clone()
             out = run_all(fn, t, name=name, op=op, prescale_factor=pre, postscale_factor=post)
-            check_tensor(out, _expected(dtype, op, pre, post, shape, step), f"step {step}",
-                         exact=True)
+            check_tensor(
+                out, _expected(dtype, op, pre, post, shape, step), f"step {step}", exact=True
+            )
             assert_all((out is t) == inplace, "in place: the input is returned, else a new one")
             if not inplace:
                 assert_all(torch.equal(t, before), "out-of-place allreduce changed its input")
@@ -114,6 +116,7 @@ def test_express_ops_count_in_stats_and_leave_the_engine_thread_asleep():
 
     def spy(*args):
         import threading
+
         threads.append(threading.current_thread().name)
         return original(*args)
 
@@ -160,8 +163,7 @@ def test_shape_mismatch_after_express_fails_on_every_rank_and_the_name_recovers(
     for _ in range(2):
         run_all(mpidp.allreduce, torch.ones(3), name=name, op=mpidp.Sum)
     shape = (4,) if rank() == 0 else (3,)
-    raises_all(mpidp.MismatchError, mpidp.allreduce, torch.ones(shape), name=name,
-               op=mpidp.Sum)
+    raises_all(mpidp.MismatchError, mpidp.allreduce, torch.ones(shape), name=name, op=mpidp.Sum)
     out = run_all(mpidp.allreduce, torch.ones(3), name=name, op=mpidp.Sum)
     check_tensor(out, torch.full((3,), float(size())), "after the mismatch")
 
@@ -180,8 +182,13 @@ def test_calls_the_express_lane_refuses_still_give_the_general_paths_answers():
     out = run_all(mpidp.allreduce, w, name=name + ".grad", op=mpidp.Sum)
     out.sum().backward()
     check_tensor(w.grad, torch.full((3,), float(size())), "gradient through the allreduce")
-    out = run_all(mpidp.allreduce, torch.ones(3), name=name + ".fp16", op=mpidp.Sum,
-                  compression=mpidp.Compression.fp16)
+    out = run_all(
+        mpidp.allreduce,
+        torch.ones(3),
+        name=name + ".fp16",
+        op=mpidp.Sum,
+        compression=mpidp.Compression.fp16,
+    )
     assert_all(out.dtype == torch.float32, f"decompressed to {out.dtype}")
     raises_all(TypeError, mpidp.allreduce, [1.0], name=name + ".list")
     raises_all(ValueError, mpidp.allreduce_, wide, name=name + ".strided_inplace")

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from backend_util import ALLREDUCE, REDUCE_OPS, fused, run_both, same, single, values
 from mpi4py import MPI
+from mpi_util import assert_all, dtype_id, int_average, run_all
 
 import mpidp
-from backend_util import ALLREDUCE, REDUCE_OPS, fused, run_both, same, single, values
-from mpi_util import assert_all, dtype_id, int_average, run_all
 from mpidp import config as mpidp_config
 from mpidp.engine.backends.host import HostBackend
 from mpidp.engine.messages import ReduceOp
@@ -16,17 +16,32 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 NODE = 2  # simulated ranks per node
 FITS = SIZE % NODE == 0 and SIZE // NODE > 1
 needs_nodes = pytest.mark.skipif(
-    not FITS, reason=f"hierarchy needs >1 simulated node of {NODE} ranks and {NODE} | size; "
-                     f"size is {SIZE}")
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64, torch.bool]
+    not FITS,
+    reason=f"hierarchy needs >1 simulated node of {NODE} ranks and {NODE} | size; size is {SIZE}",
+)
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+]
 LENGTHS = [1, 2, 3, 5, 64, 1001]  # odd lengths leave local ranks with unequal slices
 
 
 def _config(hierarchical, **kw):
-    return mpidp_config.load(backend="mpi", hierarchical_allreduce=int(hierarchical),
-                             simulated_local_size=NODE, chunk_bytes=kw.pop("chunk_bytes", 0),
-                             **kw)
+    return mpidp_config.load(
+        backend="mpi",
+        hierarchical_allreduce=int(hierarchical),
+        simulated_local_size=NODE,
+        chunk_bytes=kw.pop("chunk_bytes", 0),
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +50,12 @@ def pair():
     if SIZE < NODE:
         pytest.skip(f"{SIZE} rank(s) cannot form a node of {NODE}")
     comms = Comms(MPI.COMM_WORLD, simulated_local_size=NODE)
-    yield (HostBackend(comms, _config(True)), HostBackend(comms, _config(False)),
-           HostBackend(comms, _config(True, chunk_bytes=64)), comms)
+    yield (
+        HostBackend(comms, _config(True)),
+        HostBackend(comms, _config(False)),
+        HostBackend(comms, _config(True, chunk_bytes=64)),
+        comms,
+    )
     comms.free()
 
 
@@ -51,8 +70,10 @@ def _check(pair, batch, entries, what, chunked=False):
 def test_simulated_nodes_are_consecutive_ranks(pair):
     comms = pair[3]
     want_local = min(NODE, SIZE - (RANK // NODE) * NODE)
-    assert_all(comms.local.Get_size() == want_local and comms.local.Get_rank() == RANK % NODE,
-               f"local {comms.local.Get_rank()}/{comms.local.Get_size()}")
+    assert_all(
+        comms.local.Get_size() == want_local and comms.local.Get_rank() == RANK % NODE,
+        f"local {comms.local.Get_rank()}/{comms.local.Get_size()}",
+    )
     assert_all(comms.cross.Get_rank() == RANK // NODE, f"cross rank {comms.cross.Get_rank()}")
     assert_all(pair[0].hierarchical == FITS, f"hierarchical {pair[0].hierarchical}, fits {FITS}")
 
@@ -61,8 +82,9 @@ def test_simulated_nodes_are_consecutive_ranks(pair):
 def test_uneven_nodes_fall_back_to_flat(pair):
     if SIZE % NODE == 0:
         pytest.skip(f"{NODE} divides {SIZE}: every node is full")
-    assert_all(not pair[3].homogeneous and not pair[0].hierarchical,
-               f"local sizes {pair[3].local_sizes}")
+    assert_all(
+        not pair[3].homogeneous and not pair[0].hierarchical, f"local sizes {pair[3].local_sizes}"
+    )
     t = values((7,), torch.int32, RANK)
     batch, entries = single("fallback", ALLREDUCE, t)
     _check(pair, batch, entries, "fallback")
@@ -80,8 +102,7 @@ def test_unfused_equals_flat(pair, dtype, op):
         batch, entries = single(f"h{n}", ALLREDUCE, t, reduce_op=op)
         _check(pair, batch, entries, f"{dtype} {op.name} n={n}")
         _check(pair, batch, entries, f"{dtype} {op.name} n={n} chunked", chunked=True)
-        batch, entries = single(f"h{n}.out", ALLREDUCE, t, output=torch.empty_like(t),
-                                reduce_op=op)
+        batch, entries = single(f"h{n}.out", ALLREDUCE, t, output=torch.empty_like(t), reduce_op=op)
         _check(pair, batch, entries, f"{dtype} {op.name} n={n} to output")
 
 
@@ -102,15 +123,21 @@ def test_fused_equals_flat(pair, dtype, op):
 
 @needs_nodes
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32,
-                                   torch.float64], ids=dtype_id)
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=dtype_id
+)
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE], ids=lambda o: o.name)
 def test_scale_factors_equal_flat(pair, dtype, op):
     t = values((13,), dtype, RANK)
     batch, entries = single("hs", ALLREDUCE, t, reduce_op=op, prescale=2.0, postscale=0.25)
     _check(pair, batch, entries, f"{dtype} {op.name}")
-    batch, entries = fused("hsf", [values((n,), dtype, RANK, n) for n in (3, 5)],
-                           reduce_op=op, prescale=0.5, postscale=3.0)
+    batch, entries = fused(
+        "hsf",
+        [values((n,), dtype, RANK, n) for n in (3, 5)],
+        reduce_op=op,
+        prescale=0.5,
+        postscale=3.0,
+    )
     _check(pair, batch, entries, f"fused {dtype} {op.name}")
 
 
@@ -123,19 +150,30 @@ def test_through_mpidp_ops():
     try:
         state = mpidp.runtime.world.state()
         routes = state.engine.backend.routes
-        assert_all(mpidp.local_size() == NODE and mpidp.cross_size() == SIZE // NODE and
-                   routes["cpu"].hierarchical,
-                   f"local_size {mpidp.local_size()} cross_size {mpidp.cross_size()}")
+        assert_all(
+            mpidp.local_size() == NODE
+            and mpidp.cross_size() == SIZE // NODE
+            and routes["cpu"].hierarchical,
+            f"local_size {mpidp.local_size()} cross_size {mpidp.cross_size()}",
+        )
         for n in LENGTHS:
             t = values((n,), torch.float32, RANK)
             got = mpidp.allreduce(t, op=mpidp.Sum, name=f"test_through_mpidp_ops.{n}")
             want = sum(values((n,), torch.float32, r) for r in range(SIZE))
             assert_all(torch.equal(got, want), f"n={n}: {got} vs {want}")
-        handles = [mpidp.allreduce_async(values((n,), torch.int64, RANK), op=mpidp.Average,
-                                         name=f"test_through_mpidp_ops.f{n}") for n in LENGTHS]
+        handles = [
+            mpidp.allreduce_async(
+                values((n,), torch.int64, RANK),
+                op=mpidp.Average,
+                name=f"test_through_mpidp_ops.f{n}",
+            )
+            for n in LENGTHS
+        ]
         got = [mpidp.synchronize(h) for h in handles]
-        want = [int_average(sum(values((n,), torch.int64, r) for r in range(SIZE)), SIZE)
-                for n in LENGTHS]
+        want = [
+            int_average(sum(values((n,), torch.int64, r) for r in range(SIZE)), SIZE)
+            for n in LENGTHS
+        ]
         assert_all(all(torch.equal(a, b) for a, b in zip(got, want)), f"{got} vs {want}")
     finally:
         mpidp.shutdown()
@@ -150,10 +188,13 @@ def test_across_nodes_a_tensor_is_not_chunked_unless_the_knob_is_set():
     across = Comms(MPI.COMM_WORLD, simulated_local_size=1)
     one_node = Comms(MPI.COMM_WORLD, simulated_local_size=SIZE)
     try:
-        got = (HostBackend(across, mpidp_config.load(backend="mpi")).chunk_bytes,
-               HostBackend(across, mpidp_config.load(backend="mpi", chunk_bytes=1024)).chunk_bytes,
-               HostBackend(one_node, mpidp_config.load(backend="mpi")).chunk_bytes,
-               across.spans_hosts, one_node.spans_hosts)
+        got = (
+            HostBackend(across, mpidp_config.load(backend="mpi")).chunk_bytes,
+            HostBackend(across, mpidp_config.load(backend="mpi", chunk_bytes=1024)).chunk_bytes,
+            HostBackend(one_node, mpidp_config.load(backend="mpi")).chunk_bytes,
+            across.spans_hosts,
+            one_node.spans_hosts,
+        )
         default = mpidp_config.load(backend="mpi").chunk_bytes
         assert_all(got == (0, 1024, default, True, False), f"got {got}")
     finally:

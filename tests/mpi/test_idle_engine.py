@@ -6,9 +6,9 @@ import time
 
 import pytest
 import torch
+from mpi_util import assert_all, gather, rank, run_all, size
 
 import mpidp
-from mpi_util import assert_all, gather, rank, run_all, size
 
 
 def _reinit(**knobs):
@@ -50,6 +50,7 @@ def test_blocking_op_runs_on_the_callers_thread_when_idle():
 
     def spy(*args):
         import threading
+
         seen.append(threading.current_thread().name)
         return original(*args)
 
@@ -57,8 +58,12 @@ def test_blocking_op_runs_on_the_callers_thread_when_idle():
     try:
         for i in range(ops):
             seen.clear()
-            out = run_all(mpidp.allreduce, torch.full((3,), float(rank() + i)), op=mpidp.Sum,
-                          name=f"{name}.{i}")
+            out = run_all(
+                mpidp.allreduce,
+                torch.full((3,), float(rank() + i)),
+                op=mpidp.Sum,
+                name=f"{name}.{i}",
+            )
             want = float(sum(range(size())) + i * size())
             if out.tolist() != [want] * 3:
                 bad.append((i, out.tolist()))

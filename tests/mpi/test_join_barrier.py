@@ -4,9 +4,9 @@ import time
 
 import pytest
 import torch
+from mpi_util import assert_all, gather, rank, run_all, size, tensor_diff
 
 import mpidp
-from mpi_util import assert_all, gather, rank, run_all, size, tensor_diff
 
 
 def _uneven_round(name, steps, late):
@@ -30,8 +30,10 @@ def test_join_uneven_allreduces_then_normal_ops():
         round1 = _uneven_round(f"{name}.r1", r + 1, n - 1)
         after = mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name=f"{name}.after")
         # Names first negotiated while ranks were joined, now used by every rank (cache hits).
-        reuse = [mpidp.allreduce(torch.ones(3), op=mpidp.Sum, name=f"{name}.r1.step{k}")
-                 for k in range(n)]
+        reuse = [
+            mpidp.allreduce(torch.ones(3), op=mpidp.Sum, name=f"{name}.r1.step{k}")
+            for k in range(n)
+        ]
         # Round 2, the other way round: rank r does n-r steps; rank 0 joins last.
         round2 = _uneven_round(f"{name}.r2", n - r, 0)
         after2 = mpidp.allgather(torch.tensor([r]), name=f"{name}.after2")
@@ -51,9 +53,10 @@ def test_join_uneven_allreduces_then_normal_ops():
         problems.append(f"round 1: join() returned {last1}, expected {n - 1}")
     if last2 != 0:
         problems.append(f"round 2: join() returned {last2}, expected 0")
-    for what, got, want in [("allreduce after join", after, torch.full((2,), float(n))),
-                            ("allgather after join", after2, torch.arange(n))] + \
-            [(f"reused step {k}", out, torch.full((3,), float(n))) for k, out in enumerate(reuse)]:
+    for what, got, want in [
+        ("allreduce after join", after, torch.full((2,), float(n))),
+        ("allgather after join", after2, torch.arange(n)),
+    ] + [(f"reused step {k}", out, torch.full((3,), float(n))) for k, out in enumerate(reuse)]:
         d = tensor_diff(got, want)
         if d:
             problems.append(f"{what}: {d}")
@@ -73,12 +76,21 @@ def test_join_with_fused_async_batches_of_mixed_dtypes(device):
     def body():
         results = []
         for k in range(r + 1):
-            hs = [mpidp.allreduce_async(torch.full((j + 2,), 2, device=device).to(d),
-                                        op=mpidp.Sum, name=f"{name}.{k}.{j}")
-                  for j, d in enumerate(dtypes)]
-            hs.append(mpidp.grouped_allreduce_async(
-                [torch.ones(2, device=device), torch.ones(3, device=device)], op=mpidp.Sum,
-                name=f"{name}.{k}.g"))
+            hs = [
+                mpidp.allreduce_async(
+                    torch.full((j + 2,), 2, device=device).to(d),
+                    op=mpidp.Sum,
+                    name=f"{name}.{k}.{j}",
+                )
+                for j, d in enumerate(dtypes)
+            ]
+            hs.append(
+                mpidp.grouped_allreduce_async(
+                    [torch.ones(2, device=device), torch.ones(3, device=device)],
+                    op=mpidp.Sum,
+                    name=f"{name}.{k}.g",
+                )
+            )
             results.append([mpidp.synchronize(h) for h in hs])
         if r == n - 1:
             time.sleep(0.4)
@@ -105,16 +117,20 @@ def test_join_alone_or_all_at_once():
         time.sleep(0.4)
     last = run_all(mpidp.join)
     lasts = gather(last)
-    assert_all(all(x == lasts[0] for x in lasts) and last == n - 1,
-               f"join() returned {lasts}, expected {n - 1} everywhere")
-    out = run_all(mpidp.allreduce, torch.ones(1), op=mpidp.Sum,
-                  name="test_join_alone_or_all_at_once.after")
+    assert_all(
+        all(x == lasts[0] for x in lasts) and last == n - 1,
+        f"join() returned {lasts}, expected {n - 1} everywhere",
+    )
+    out = run_all(
+        mpidp.allreduce, torch.ones(1), op=mpidp.Sum, name="test_join_alone_or_all_at_once.after"
+    )
     assert_all(out.item() == n, f"after join: {out}")
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["max", "min", "product", "allgather", "broadcast",
-                                  "reducescatter", "alltoall"])
+@pytest.mark.parametrize(
+    "kind", ["max", "min", "product", "allgather", "broadcast", "reducescatter", "alltoall"]
+)
 def test_ops_refused_while_ranks_are_joined(kind):
     """Min/Max/Product (zeros would change them) and non-allreduce ops fail on the ranks still
     working while a rank has joined; the joined rank is not disturbed."""
@@ -173,8 +189,9 @@ def test_barrier_waits_for_every_rank():
     early = [k for k, (_, lft) in enumerate(times) if lft < start0]
     assert_all(not early, f"ranks {early} left the barrier before rank 0 entered it")
     # Several barriers in a row, and a barrier beside pending async work.
-    h = mpidp.allreduce_async(torch.ones(2), op=mpidp.Sum,
-                              name="test_barrier_waits_for_every_rank.pending")
+    h = mpidp.allreduce_async(
+        torch.ones(2), op=mpidp.Sum, name="test_barrier_waits_for_every_rank.pending"
+    )
     run_all(lambda: [mpidp.barrier() for _ in range(3)])
     out = run_all(mpidp.synchronize, h)
     assert_all(out.tolist() == [float(n)] * 2, f"allreduce beside barriers: {out}")
@@ -195,8 +212,7 @@ def test_barrier_while_a_rank_is_joined():
             time.sleep(0.4)
         last = mpidp.join()
         out = mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name=f"{name}.after")
-        unnamed = mpidp.synchronize(mpidp.allreduce_async(torch.ones(1), op=mpidp.Sum),
-                                    timeout=30)
+        unnamed = mpidp.synchronize(mpidp.allreduce_async(torch.ones(1), op=mpidp.Sum), timeout=30)
         return last, out.item() + unnamed.item() - n
 
     last, after = run_all(body)

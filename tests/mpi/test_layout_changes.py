@@ -6,18 +6,18 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mpi_util import assert_all, gather, max_deviation, my_rows, raises_all, row_batches, run_all
 
 import mpidp
-from mpi_util import (assert_all, gather, max_deviation, my_rows, raises_all, row_batches,
-                      run_all)
 
 ROWS = 3  # rows per rank
 
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(),
-                         nn.Linear(5, 3)).double()
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).double()
 
 
 def _batches(steps):
@@ -66,7 +66,8 @@ def test_add_param_group_reduces_the_new_parameters(named, overlapping):
         _set_trainable(backbone(m), False)
     opt = mpidp.DistributedOptimizer(
         torch.optim.SGD(model[4].parameters(), lr=0.1, momentum=0.9),
-        named_parameters=model.named_parameters() if named else None)
+        named_parameters=model.named_parameters() if named else None,
+    )
     opt._overlap = overlapping
     ref_opt = torch.optim.SGD(ref[4].parameters(), lr=0.1, momentum=0.9)
     for i, (x, y) in enumerate(_batches(5)):
@@ -107,8 +108,10 @@ def test_freezing_and_unfreezing_between_steps_is_followed(overlapping):
     err = _deviation(model, ref)
     kept = all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
     no_grad = all(p.grad is None for p in model[0].parameters())
-    assert_all(err < 1e-10 and kept and no_grad,
-               f"deviation {err}, frozen kept {kept}, no gradient {no_grad}")
+    assert_all(
+        err < 1e-10 and kept and no_grad,
+        f"deviation {err}, frozen kept {kept}, no gradient {no_grad}",
+    )
     assert_all(_same_everywhere(model), "replicas differ")
 
 
@@ -118,16 +121,24 @@ def test_add_param_group_refusals_and_parameters_named_by_position():
     wrapping) is named by position, as Horovod names them all; adding one during a step, or a
     parameter twice (torch's own check), is refused and leaves the optimizer as it was."""
     model, ref = _model(), _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model[4].parameters(), lr=0.1),
-                                     named_parameters=list(model[4].named_parameters()))
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model[4].parameters(), lr=0.1),
+        named_parameters=list(model[4].named_parameters()),
+    )
     ref_opt = torch.optim.SGD(ref[4].parameters(), lr=0.1)
     x, y = _batches(1)[0]
     F.cross_entropy(model(_mine(x)), _mine(y)).backward()
-    raises_all(ValueError, lambda: opt.add_param_group({"params": model[2].parameters()}),
-               match="between steps")
+    raises_all(
+        ValueError,
+        lambda: opt.add_param_group({"params": model[2].parameters()}),
+        match="between steps",
+    )
     run_all(opt.step)
-    raises_all(ValueError, lambda: opt.add_param_group({"params": model[4].weight}),
-               match="more than one parameter group")
+    raises_all(
+        ValueError,
+        lambda: opt.add_param_group({"params": model[4].weight}),
+        match="more than one parameter group",
+    )
     groups = [len(g["params"]) for g in opt.param_groups]
     assert_all(groups == [2], f"groups {groups}")
     ref_opt.zero_grad()
@@ -148,10 +159,16 @@ def test_add_param_group_refusals_and_parameters_named_by_position():
 def test_sharded_optimizer_refuses_layout_changes_clearly():
     model = _model()
     _set_trainable(model[0].parameters(), False)
-    opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters())
-    raises_all(ValueError, lambda: opt.add_param_group({"params": [nn.Parameter(
-        torch.zeros(2, dtype=torch.float64))]}), match="before wrapping")
+    opt = mpidp.ShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    raises_all(
+        ValueError,
+        lambda: opt.add_param_group(
+            {"params": [nn.Parameter(torch.zeros(2, dtype=torch.float64))]}
+        ),
+        match="before wrapping",
+    )
     _set_trainable(model[0].parameters(), True)
     x, y = _batches(1)[0]
 
@@ -159,5 +176,6 @@ def test_sharded_optimizer_refuses_layout_changes_clearly():
         opt.zero_grad()
         F.cross_entropy(model(_mine(x)), _mine(y)).backward()
         opt.step()
+
     err = raises_all(RuntimeError, train, match="changed requires_grad after wrapping")
     assert_all("'0.weight'" in str(err), f"message {err}")

@@ -7,12 +7,20 @@ import time
 import pytest
 import torch
 from mpi4py import MPI
-
-import mpidp
 from mpi_util import assert_all, gather, rank, run_all, size, tensor_diff
 
-QUERIES = ["rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-           "is_homogeneous", "mpi_threads_supported"]
+import mpidp
+
+QUERIES = [
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_homogeneous",
+    "mpi_threads_supported",
+]
 
 
 def _smoke(name):
@@ -49,30 +57,60 @@ def test_queries_match_comm_world():
     # forced onto TCP with MPIR_CVAR_NOLOCAL).
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=r)
     nodes = world.Split(color=node.Get_rank(), key=r)
-    want = {"rank": r, "size": n,
-            "local_rank": node.Get_rank(), "local_size": node.Get_size(),
-            "cross_rank": nodes.Get_rank(), "cross_size": nodes.Get_size(),
-            "is_homogeneous": len(set(world.allgather(node.Get_size()))) == 1,
-            "mpi_threads_supported": MPI.Query_thread() == MPI.THREAD_MULTIPLE}
+    want = {
+        "rank": r,
+        "size": n,
+        "local_rank": node.Get_rank(),
+        "local_size": node.Get_size(),
+        "cross_rank": nodes.Get_rank(),
+        "cross_size": nodes.Get_size(),
+        "is_homogeneous": len(set(world.allgather(node.Get_size()))) == 1,
+        "mpi_threads_supported": MPI.Query_thread() == MPI.THREAD_MULTIPLE,
+    }
     nodes.Free()
     node.Free()
     k = mpidp.runtime.world.state().config.simulated_local_size
     if k:  # MPIDP_SIMULATED_LOCAL_SIZE: nodes of k consecutive ranks, the last one maybe short
-        want.update(local_rank=r % k, local_size=min(k, n - (r // k) * k), cross_rank=r // k,
-                    cross_size=len(range(r % k, n, k)), is_homogeneous=n % k == 0)
-    bad = {q: (got[q], want[q]) for q in QUERIES if got[q] != want[q] or
-           type(got[q]) is not type(want[q])}
+        want.update(
+            local_rank=r % k,
+            local_size=min(k, n - (r // k) * k),
+            cross_rank=r // k,
+            cross_size=len(range(r % k, n, k)),
+            is_homogeneous=n % k == 0,
+        )
+    bad = {
+        q: (got[q], want[q])
+        for q in QUERIES
+        if got[q] != want[q] or type(got[q]) is not type(want[q])
+    }
     assert_all(not bad, f"(got, expected): {bad}")
-    flags = {f: getattr(mpidp, f)() for f in ("mpi_enabled", "mpi_built", "gloo_enabled",
-                                              "gloo_built", "nccl_built", "cuda_built",
-                                              "rocm_built", "ddl_built", "ccl_built")}
+    flags = {
+        f: getattr(mpidp, f)()
+        for f in (
+            "mpi_enabled",
+            "mpi_built",
+            "gloo_enabled",
+            "gloo_built",
+            "nccl_built",
+            "cuda_built",
+            "rocm_built",
+            "ddl_built",
+            "ccl_built",
+        )
+    }
     import torch.distributed as dist
-    want_flags = {"mpi_enabled": True, "mpi_built": True,
-                  "gloo_enabled": mpidp.runtime.world.state().config.backend == "gloo",
-                  "gloo_built": dist.is_available() and dist.is_gloo_available(),
-                  "nccl_built": dist.is_available() and dist.is_nccl_available(),
-                  "cuda_built": torch.backends.cuda.is_built(),
-                  "rocm_built": False, "ddl_built": False, "ccl_built": False}
+
+    want_flags = {
+        "mpi_enabled": True,
+        "mpi_built": True,
+        "gloo_enabled": mpidp.runtime.world.state().config.backend == "gloo",
+        "gloo_built": dist.is_available() and dist.is_gloo_available(),
+        "nccl_built": dist.is_available() and dist.is_nccl_available(),
+        "cuda_built": torch.backends.cuda.is_built(),
+        "rocm_built": False,
+        "ddl_built": False,
+        "ccl_built": False,
+    }
     assert_all(flags == want_flags, f"got {flags}, expected {want_flags}")
     assert_all(mpidp.is_initialized(), "not initialised inside the session")
 
@@ -97,10 +135,13 @@ def test_shutdown_then_init_again():
             except ValueError as e:
                 if not isinstance(e, mpidp.NotInitializedError) or "init()" not in str(e):
                     problems.append(f"{q}() after shutdown: unhelpful {type(e).__name__}: {e}")
-        for what, fn in (("allreduce", lambda: mpidp.allreduce(torch.ones(1), name=name)),
-                         ("allreduce_async", lambda: mpidp.allreduce_async(torch.ones(1))),
-                         ("barrier", mpidp.barrier), ("join", mpidp.join),
-                         ("poll", lambda: mpidp.poll(old))):
+        for what, fn in (
+            ("allreduce", lambda: mpidp.allreduce(torch.ones(1), name=name)),
+            ("allreduce_async", lambda: mpidp.allreduce_async(torch.ones(1))),
+            ("barrier", mpidp.barrier),
+            ("join", mpidp.join),
+            ("poll", lambda: mpidp.poll(old)),
+        ):
             try:
                 fn()
                 problems.append(f"{what} worked after shutdown()")
@@ -156,8 +197,11 @@ def test_init_with_user_communicator():
             mpidp.shutdown()
             mpidp.init(comm=comm)
             problems = _smoke(name)
-            problems += [] if (mpidp.rank(), mpidp.size()) == (comm.Get_rank(), comm.Get_size()) \
+            problems += (
+                []
+                if (mpidp.rank(), mpidp.size()) == (comm.Get_rank(), comm.Get_size())
                 else ["rank/size differ from the communicator's"]
+            )
             mpidp.shutdown()
             mpidp.init(comm=list(range(MPI.COMM_WORLD.Get_size())))
             problems += _smoke(f"{name}.list")
@@ -192,6 +236,7 @@ def test_a_sub_world_of_one_rank_is_not_called_lonely(monkeypatch):
         finally:
             comm.Free()
         return alone
+
     try:
         alone = run_all(body)
     finally:
@@ -208,9 +253,16 @@ def _workload(name, rounds=3, names=12):
     for k in range(rounds):
         order = list(range(names))
         random.Random(100 * k + r).shuffle(order)
-        hs = {i: mpidp.allreduce_async(torch.full((i % 4 + 1,), float(i + r)).to(
-            torch.bfloat16 if i % 3 == 0 else torch.float32), op=mpidp.Sum,
-            name=f"{name}.{i}") for i in order}
+        hs = {
+            i: mpidp.allreduce_async(
+                torch.full((i % 4 + 1,), float(i + r)).to(
+                    torch.bfloat16 if i % 3 == 0 else torch.float32
+                ),
+                op=mpidp.Sum,
+                name=f"{name}.{i}",
+            )
+            for i in order
+        }
         for i, h in hs.items():
             out = mpidp.synchronize(h)
             want = float(n * i + n * (n - 1) // 2)
@@ -218,8 +270,9 @@ def _workload(name, rounds=3, names=12):
                 problems.append(f"round {k} tensor {i}: {out.tolist()} != {want}")
         # Same names, changed shapes (cache invalidation on every rank at once).
         if k == 1:
-            outs = [mpidp.allreduce(torch.ones(5), op=mpidp.Sum, name=f"{name}.{i}")
-                    for i in range(3)]
+            outs = [
+                mpidp.allreduce(torch.ones(5), op=mpidp.Sum, name=f"{name}.{i}") for i in range(3)
+            ]
             if any(o.tolist() != [float(n)] * 5 for o in outs):
                 problems.append(f"changed shapes: {outs}")
     problems += _smoke(f"{name}.smoke")
@@ -227,14 +280,18 @@ def _workload(name, rounds=3, names=12):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("knobs", [
-    dict(cache_capacity=2),
-    dict(cache_capacity=0),
-    dict(fusion_threshold_bytes=0),
-    dict(fuse_below_bytes=1 << 30, fusion_threshold_bytes=24),
-    dict(chunk_bytes=8),
-    dict(cycle_time_ms=2.0),
-], ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(cache_capacity=2),
+        dict(cache_capacity=0),
+        dict(fusion_threshold_bytes=0),
+        dict(fuse_below_bytes=1 << 30, fusion_threshold_bytes=24),
+        dict(chunk_bytes=8),
+        dict(cycle_time_ms=2.0),
+    ],
+    ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()),
+)
 def test_knobs_change_nothing_observable(knobs):
     name = "test_knobs_change_nothing_observable." + "_".join(knobs)
 
@@ -355,6 +412,7 @@ def test_collectives_in_a_forked_child_are_refused_clearly():
     """A DataLoader worker (fork) calling a collective used its parent's MPI state: it talked
     to the other ranks' workers, or hung. It is refused; rank() and size() still work."""
     import multiprocessing
+
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_forked_child, args=(queue,))

@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
+from mpi_util import assert_all, check_tensor, rank, run_all, size
 
 import mpidp
 from mpidp import ops
-from mpi_util import assert_all, check_tensor, rank, run_all, size
 
 SHAPES = [(3, 4), (5,), (2, 3, 2), ()]
 
@@ -109,8 +109,10 @@ def test_two_ops_in_flight_are_not_lone_and_both_complete():
         run_all(mpidp.allreduce_, torch.ones(3), name=name, op=mpidp.Sum)
     with _Spy() as spy:
         with ops.blocking():
-            handles = [mpidp.allreduce_async_(torch.full((3,), float(i + 1)), name=name,
-                                              op=mpidp.Sum) for i, name in enumerate(names)]
+            handles = [
+                mpidp.allreduce_async_(torch.full((3,), float(i + 1)), name=name, op=mpidp.Sum)
+                for i, name in enumerate(names)
+            ]
         outs = [run_all(mpidp.synchronize, h) for h in handles]
     for i, out in enumerate(outs):
         check_tensor(out, torch.full((3,), float((i + 1) * size())), f"op {i}")

@@ -2,14 +2,15 @@
 
 import pytest
 import torch
+from mpi_util import assert_all, gather, rank, run_all, size, tensor_diff
 
 import mpidp
-from mpi_util import assert_all, gather, rank, run_all, size, tensor_diff
 
 
 def _allreduce(shape=(3,), dtype=torch.float32, op=mpidp.Sum, pre=1.0, post=1.0):
-    return lambda name: mpidp.allreduce_async(torch.ones(shape, dtype=dtype), name=name, op=op,
-                                              prescale_factor=pre, postscale_factor=post)
+    return lambda name: mpidp.allreduce_async(
+        torch.ones(shape, dtype=dtype), name=name, op=op, prescale_factor=pre, postscale_factor=post
+    )
 
 
 def _broadcast(root=0):
@@ -17,8 +18,9 @@ def _broadcast(root=0):
 
 
 def _allgather(trailing=3, dtype=torch.float32):
-    return lambda name: mpidp.allgather_async(torch.ones(rank() + 1, trailing, dtype=dtype),
-                                              name=name)
+    return lambda name: mpidp.allgather_async(
+        torch.ones(rank() + 1, trailing, dtype=dtype), name=name
+    )
 
 
 def _alltoall(trailing=2):
@@ -27,7 +29,8 @@ def _alltoall(trailing=2):
 
 def _reducescatter(op=mpidp.Sum, rows=None):
     return lambda name: mpidp.reducescatter_async(
-        torch.ones(2 * size() + (1 if rows == "odd" else 0), 2), name=name, op=op)
+        torch.ones(2 * size() + (1 if rows == "odd" else 0), 2), name=name, op=op
+    )
 
 
 # case -> (what every rank but the last submits, what the last rank submits, words that the
@@ -91,8 +94,10 @@ def test_mismatch(case, cached):
     assert_all(problem is None, problem)
 
     msgs = gather(msg)
-    assert_all(all(m == msgs[0] for m in msgs),
-               "ranks got different messages:\n" + "\n".join(f"  {m}" for m in msgs))
+    assert_all(
+        all(m == msgs[0] for m in msgs),
+        "ranks got different messages:\n" + "\n".join(f"  {m}" for m in msgs),
+    )
     words = [repr(name), f"rank {n - 1}"] + CASES[case][2]
     missing = [w for w in words if w not in msg]
     assert_all(not missing, f"message {msg!r} lacks {missing}")
@@ -106,8 +111,10 @@ def test_mismatch(case, cached):
     fresh, again = run_all(after)
     d = tensor_diff(fresh, torch.full((2,), float(n)))
     assert_all(not d, f"fresh op after the mismatch: {d}")
-    assert_all(all(isinstance(a, torch.Tensor) for a in again),
-               f"the name used correctly after the mismatch gave {again!r}")
+    assert_all(
+        all(isinstance(a, torch.Tensor) for a in again),
+        f"the name used correctly after the mismatch gave {again!r}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -117,8 +124,7 @@ def test_mismatch_in_grouped_op_fails_the_group_only():
     shapes = [(2,), (5,) if r == n - 1 else (3,), (1,)]
 
     def body():
-        h = mpidp.grouped_allreduce_async([torch.ones(s) for s in shapes], op=mpidp.Sum,
-                                          name=name)
+        h = mpidp.grouped_allreduce_async([torch.ones(s) for s in shapes], op=mpidp.Sum, name=name)
         other = mpidp.allreduce_async(torch.ones(2), op=mpidp.Sum, name=f"{name}.other")
         try:
             mpidp.synchronize(h)
@@ -129,8 +135,10 @@ def test_mismatch_in_grouped_op_fails_the_group_only():
 
     msg, other = run_all(body)
     msgs = gather(msg)
-    assert_all(msg is not None and f"{name}.1" in msg and all(m == msg for m in msgs),
-               f"grouped mismatch messages: {msgs}")
+    assert_all(
+        msg is not None and f"{name}.1" in msg and all(m == msg for m in msgs),
+        f"grouped mismatch messages: {msgs}",
+    )
     d = tensor_diff(other, torch.full((2,), float(n)))
     assert_all(not d, f"op beside the failed group: {d}")
 
@@ -143,8 +151,9 @@ def test_mismatch_message_names_every_group_of_ranks():
     length = 3 if r < n - 2 else (4 if r == n - 2 else 5)
     msg, problem = _expect_mismatch(_allreduce(shape=(length,)), name)
     assert_all(problem is None, problem)
-    missing = [w for w in (f"rank {n - 2}", f"rank {n - 1}", "(3,)", "(4,)", "(5,)")
-               if w not in msg]
+    missing = [
+        w for w in (f"rank {n - 2}", f"rank {n - 1}", "(3,)", "(4,)", "(5,)") if w not in msg
+    ]
     assert_all(not missing, f"message {msg!r} lacks {missing}")
 
 

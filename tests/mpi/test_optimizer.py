@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mpi_util import assert_all, gather, raises_all, run_all
 
 import mpidp
 from mpidp.training.step_state import Phase
-from mpi_util import assert_all, gather, raises_all, run_all
 
 SHARD = 4  # rows per rank per micro-batch
 
@@ -27,14 +27,21 @@ def _model(seed=0, device="cpu"):
 def _data(steps, micro, seed=1):
     g = torch.Generator().manual_seed(seed)
     rows = SHARD * mpidp.size()
-    return [[(torch.randn(rows, 5, generator=g, dtype=torch.float64),
-              torch.randint(0, 3, (rows,), generator=g)) for _ in range(micro)]
-            for _ in range(steps)]
+    return [
+        [
+            (
+                torch.randn(rows, 5, generator=g, dtype=torch.float64),
+                torch.randint(0, 3, (rows,), generator=g),
+            )
+            for _ in range(micro)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def _shard(x):
     r = mpidp.rank()
-    return x[r * SHARD:(r + 1) * SHARD]
+    return x[r * SHARD : (r + 1) * SHARD]
 
 
 def _checksum(model):
@@ -75,9 +82,11 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_shards_equal_single_process_on_whole_batch(kind, passes, device):
     model, ref = _model(device=device), _model(device=device)
-    opt = mpidp.DistributedOptimizer(OPTIMIZERS[kind](model.parameters()),
-                                     named_parameters=model.named_parameters(),
-                                     backward_passes_per_step=passes)
+    opt = mpidp.DistributedOptimizer(
+        OPTIMIZERS[kind](model.parameters()),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
+    )
     ref_opt = OPTIMIZERS[kind](ref.parameters())
     for step in _data(steps=4, micro=passes):
         step = [(x.to(device), y.to(device)) for x, y in step]
@@ -98,10 +107,11 @@ def test_shards_equal_single_process_on_whole_batch(kind, passes, device):
 @pytest.mark.mpi
 def test_clipping_after_synchronize_clips_the_global_gradient(device):
     model, ref = _model(device=device), _model(device=device)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=model.named_parameters()
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    for (x, y), in _data(steps=3, micro=1):
+    for ((x, y),) in _data(steps=3, micro=1):
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
         (F.cross_entropy(model(_shard(x)), _shard(y)) * 50).backward()
@@ -131,11 +141,14 @@ def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused, recipe, over
     optimizer takes the scale and inf flag as attributes set on the optimizer it is given (the
     wrapper): they must reach the wrapped one."""
     model = _model().float()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=fused),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, fused=fused),
+        named_parameters=model.named_parameters(),
+    )
     opt._overlap = overlapping
     scaler = (mpidp.ShardedGradScaler if recipe == "plain" else torch.amp.GradScaler)(
-        "cpu", init_scale=2.0 ** 10)
+        "cpu", init_scale=2.0**10
+    )
     before_skip = None
     for i, ((x, y),) in enumerate(_data(steps=4, micro=1)):
         opt.zero_grad()
@@ -159,8 +172,7 @@ def test_grad_scaler_loop_skips_the_same_steps_on_every_rank(fused, recipe, over
             unchanged = all(torch.equal(a, b) for a, b in zip(before_skip, model.parameters()))
             assert_all(unchanged, "the overflowing step changed parameters")
     scales = gather(scaler.get_scale())
-    assert_all(all(s == scales[0] for s in scales) and scales[0] < 2.0 ** 10,
-               f"scales {scales}")
+    assert_all(all(s == scales[0] for s in scales) and scales[0] < 2.0**10, f"scales {scales}")
     _assert_replicas_bitwise(model, "grad scaler")
 
 
@@ -178,17 +190,18 @@ class TwoHeads(nn.Module):
 @pytest.mark.mpi
 def test_ranks_touching_different_parameters_do_not_deadlock():
     model, ref = TwoHeads(), TwoHeads()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     g = torch.Generator().manual_seed(5)
     x = torch.randn(mpidp.size(), 4, generator=g, dtype=torch.float64)
     r = mpidp.rank()
     opt.zero_grad()
-    model(x[r:r + 1], r % 2).sum().backward()
+    model(x[r : r + 1], r % 2).sum().backward()
     run_all(opt.step)
     # Reference: the average over ranks of each rank's loss, in one process.
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    sum(ref(x[i:i + 1], i % 2).sum() for i in range(mpidp.size())).div(mpidp.size()).backward()
+    sum(ref(x[i : i + 1], i % 2).sum() for i in range(mpidp.size())).div(mpidp.size()).backward()
     ref_opt.step()
     err = _close(model, ref)
     assert_all(err < 1e-12, f"max deviation {err}")
@@ -201,13 +214,19 @@ def test_two_optimizers_in_flight_at_once_have_distinct_names(named):
     """One backward for two optimizers, overlap on: both submit buckets during it. Their names
     collide (Horovod's automatic ones, or two models' `weight`/`bias`), and the second optimizer's
     buckets used to be refused as already in flight."""
+
     def build():
         torch.manual_seed(0)
         return nn.Linear(5, 7).double(), nn.Linear(7, 1).double()
+
     (gen, disc), (rgen, rdisc) = build(), build()
-    opts = [mpidp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                       named_parameters=m.named_parameters() if named else None)
-            for m in (gen, disc)]
+    opts = [
+        mpidp.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1),
+            named_parameters=m.named_parameters() if named else None,
+        )
+        for m in (gen, disc)
+    ]
     refs = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (rgen, rdisc)]
     for opt in opts:
         opt._overlap = True
@@ -223,8 +242,10 @@ def test_two_optimizers_in_flight_at_once_have_distinct_names(named):
             opt.step()
     names = [sorted(opt._parameter_names.values()) for opt in opts]
     err = max(_close(gen, rgen), _close(disc, rdisc))
-    assert_all(err < 1e-10 and all(n.startswith("opt1.") for n in names[1]),
-               f"deviation {err}, names {names}")
+    assert_all(
+        err < 1e-10 and all(n.startswith("opt1.") for n in names[1]),
+        f"deviation {err}, names {names}",
+    )
 
 
 @pytest.mark.mpi
@@ -236,14 +257,19 @@ def test_standard_gan_loop_equals_one_process(overlapping, no_sync):
     reduced; without, the backward pass reduces those gradients (reduce_in_backward) and the
     discriminator's zero_grad() drops them, as DDP does. Either way training equals one
     process."""
+
     def build():
         torch.manual_seed(0)
         return nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
+
     (gen, disc), (rgen, rdisc) = build(), build()
-    opt_g, opt_d = (mpidp.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
-                                               named_parameters=[(f"{tag}.{n}", p) for n, p in
-                                                                 m.named_parameters()])
-                    for tag, m in (("g", gen), ("d", disc)))
+    opt_g, opt_d = (
+        mpidp.DistributedOptimizer(
+            torch.optim.Adam(m.parameters(), lr=0.01),
+            named_parameters=[(f"{tag}.{n}", p) for n, p in m.named_parameters()],
+        )
+        for tag, m in (("g", gen), ("d", disc))
+    )
     ref_g, ref_d = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (rgen, rdisc))
     for opt in (opt_g, opt_d):
         opt._overlap = overlapping
@@ -274,8 +300,9 @@ def test_a_gan_loop_without_no_sync_is_refused_in_horovod_mode_naming_the_remedy
     try:
         run_all(_reinit, reduce_in_backward=False)
         gen, disc = nn.Linear(3, 3).double(), nn.Linear(3, 1).double()
-        opt_d = mpidp.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1),
-                                           named_parameters=disc.named_parameters())
+        opt_d = mpidp.DistributedOptimizer(
+            torch.optim.SGD(disc.parameters(), lr=0.1), named_parameters=disc.named_parameters()
+        )
         (-disc(gen(torch.ones(2, 3, dtype=torch.float64))).mean()).backward()
         raises_all(ValueError, opt_d.zero_grad, match="no_sync")
         run_all(opt_d.synchronize)
@@ -289,12 +316,14 @@ def test_alternating_requires_grad_gan_style():
     torch.manual_seed(7)
     gen = nn.Linear(3, 3).double()
     disc = nn.Linear(3, 1).double()
-    opt_g = mpidp.DistributedOptimizer(torch.optim.Adam(gen.parameters(), lr=0.01),
-                                       named_parameters=[("g." + n, p)
-                                                         for n, p in gen.named_parameters()])
-    opt_d = mpidp.DistributedOptimizer(torch.optim.Adam(disc.parameters(), lr=0.01),
-                                       named_parameters=[("d." + n, p)
-                                                         for n, p in disc.named_parameters()])
+    opt_g = mpidp.DistributedOptimizer(
+        torch.optim.Adam(gen.parameters(), lr=0.01),
+        named_parameters=[("g." + n, p) for n, p in gen.named_parameters()],
+    )
+    opt_d = mpidp.DistributedOptimizer(
+        torch.optim.Adam(disc.parameters(), lr=0.01),
+        named_parameters=[("d." + n, p) for n, p in disc.named_parameters()],
+    )
     g = torch.Generator().manual_seed(11 + mpidp.rank())
     for _ in range(3):
         z = torch.randn(4, 3, generator=g, dtype=torch.float64)
@@ -330,8 +359,11 @@ def test_optimizer_state_broadcast_keeps_parameters_and_copies_state(kind):
     unchanged = all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
     assert_all(unchanged, "broadcast_optimizer_state moved parameters")
     state = opt.state_dict()
-    flat = {(i, k): (v.tolist() if isinstance(v, torch.Tensor) else v)
-            for i, entry in state["state"].items() for k, v in entry.items()}
+    flat = {
+        (i, k): (v.tolist() if isinstance(v, torch.Tensor) else v)
+        for i, entry in state["state"].items()
+        for k, v in entry.items()
+    }
     views = gather((flat, state["param_groups"]))
     assert_all(all(v == views[0] for v in views), f"{kind}: state differs from rank 0's")
     group = state["param_groups"][0]
@@ -344,22 +376,31 @@ def test_optimizer_state_broadcast_keeps_parameters_and_copies_state(kind):
 def test_named_parameters_errors():
     model = _model()
     params = list(model.named_parameters())
-    raises_all(ValueError, mpidp.DistributedOptimizer,
-               torch.optim.SGD(model.parameters(), lr=0.1),
-               named_parameters=params + params[:1], match="duplicate")
-    raises_all(ValueError, mpidp.DistributedOptimizer,
-               torch.optim.SGD(model.parameters(), lr=0.1),
-               named_parameters=params[:2], match="does not cover")
+    raises_all(
+        ValueError,
+        mpidp.DistributedOptimizer,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=params + params[:1],
+        match="duplicate",
+    )
+    raises_all(
+        ValueError,
+        mpidp.DistributedOptimizer,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=params[:2],
+        match="does not cover",
+    )
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.mpi
 def test_step_after_synchronize_without_skip_warns_once():
     model = _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     caught = []
-    for (x, y), in _data(steps=2, micro=1):
+    for ((x, y),) in _data(steps=2, micro=1):
         opt.zero_grad()
         F.cross_entropy(model(_shard(x)), _shard(y)).backward()
         opt.synchronize()
@@ -371,15 +412,19 @@ def test_step_after_synchronize_without_skip_warns_once():
     assert_all(counts == [1, 0], f"warnings per step {caught}")
     # Horovod's text, which scripts and tests match on, then what happened and what to do.
     text = caught[0][0]
-    assert_all(text.startswith("optimizer.step() called without optimizer.skip_synchronize()")
-               and "reduced a second time" in text, text)
+    assert_all(
+        text.startswith("optimizer.step() called without optimizer.skip_synchronize()")
+        and "reduced a second time" in text,
+        text,
+    )
 
 
 @pytest.mark.mpi
 def test_no_sync_accumulates_without_reducing_until_the_last_pass():
     model, ref = _model(), _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (step,) = _data(steps=1, micro=3)
     opt.zero_grad()
@@ -390,8 +435,9 @@ def test_no_sync_accumulates_without_reducing_until_the_last_pass():
     (F.cross_entropy(model(_shard(x)), _shard(y)) / 3).backward()
     run_all(opt.step)
     ref_opt.zero_grad()
-    F.cross_entropy(ref(torch.cat([x for x, _ in step])),
-                    torch.cat([y for _, y in step])).backward()
+    F.cross_entropy(
+        ref(torch.cat([x for x, _ in step])), torch.cat([y for _, y in step])
+    ).backward()
     ref_opt.step()
     err = _close(model, ref)
     assert_all(err < 1e-10, f"max deviation {err}")
@@ -401,11 +447,13 @@ def test_no_sync_accumulates_without_reducing_until_the_last_pass():
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 def test_compressed_gradients_are_close_and_identical_on_every_rank(compression, device):
     model, ref = _model(device=device).float(), _model(device=device).float()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters(),
-                                     compression=getattr(mpidp.Compression, compression))
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=getattr(mpidp.Compression, compression),
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for (x, y), in _data(steps=2, micro=1):
+    for ((x, y),) in _data(steps=2, micro=1):
         x, y = x.to(device), y.to(device)
         opt.zero_grad()
         F.cross_entropy(model(_shard(x).float()), _shard(y)).backward()
@@ -423,12 +471,14 @@ def test_sparse_gradients_as_dense_and_sparse_allreduce():
     torch.manual_seed(2)
     emb = nn.Embedding(10, 3, sparse=True).double()
     ref = copy.deepcopy(emb)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
-                                     named_parameters=emb.named_parameters(),
-                                     sparse_as_dense=True)
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1),
+        named_parameters=emb.named_parameters(),
+        sparse_as_dense=True,
+    )
     ids = torch.arange(mpidp.size()) % 10
     opt.zero_grad()
-    emb(ids[mpidp.rank():mpidp.rank() + 1]).sum().backward()
+    emb(ids[mpidp.rank() : mpidp.rank() + 1]).sum().backward()
     run_all(opt.step)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (ref(ids).sum() / mpidp.size()).backward()
@@ -437,10 +487,10 @@ def test_sparse_gradients_as_dense_and_sparse_allreduce():
     assert_all(err < 1e-12, f"sparse_as_dense deviation {err}")
 
     r = mpidp.rank()
-    sparse = torch.sparse_coo_tensor([[r % 10]], torch.tensor([[1.0, 2.0]]), (10, 2),
-                                     check_invariants=True)
-    out = mpidp.synchronize(mpidp.sparse_allreduce_async(sparse, name="sparse.sum",
-                                                         op=mpidp.Sum))
+    sparse = torch.sparse_coo_tensor(
+        [[r % 10]], torch.tensor([[1.0, 2.0]]), (10, 2), check_invariants=True
+    )
+    out = mpidp.synchronize(mpidp.sparse_allreduce_async(sparse, name="sparse.sum", op=mpidp.Sum))
     expected = torch.zeros(10, 2)
     for i in range(mpidp.size()):
         expected[i % 10] += torch.tensor([1.0, 2.0])
@@ -453,8 +503,9 @@ def test_sparse_allreduce_handle_is_callable_as_in_horovod():
     """Horovod's sparse_allreduce_async returns a function scripts call; poll() and
     synchronize() still take the handle."""
     r, n = mpidp.rank(), mpidp.size()
-    sparse = torch.sparse_coo_tensor([[r % 10]], torch.tensor([[1.0, 2.0]]), (10, 2),
-                                     check_invariants=True)
+    sparse = torch.sparse_coo_tensor(
+        [[r % 10]], torch.tensor([[1.0, 2.0]]), (10, 2), check_invariants=True
+    )
     expected = torch.zeros(10, 2)
     for i in range(n):
         expected[i % 10] += torch.tensor([1.0, 2.0]) / n
@@ -462,6 +513,7 @@ def test_sparse_allreduce_handle_is_callable_as_in_horovod():
     def called():
         handle = mpidp.sparse_allreduce_async(sparse, name="sparse.called", op=mpidp.Average)
         return handle()
+
     out = run_all(called)
     assert_all(out.is_sparse and torch.allclose(out.to_dense(), expected), str(out))
 
@@ -470,6 +522,7 @@ def test_sparse_allreduce_handle_is_callable_as_in_horovod():
         while not mpidp.poll(handle):
             time.sleep(0.001)
         return mpidp.synchronize(handle)
+
     out = run_all(synchronized)
     assert_all(out.is_sparse and torch.allclose(out.to_dense(), expected), str(out))
 
@@ -482,12 +535,15 @@ def test_sparse_adam_with_sparse_as_dense_gets_sparse_gradients():
     included; the result equals one process's SparseAdam on the whole batch."""
     r, n = mpidp.rank(), mpidp.size()
     torch.manual_seed(3)
-    model = nn.ModuleDict({"a": nn.Embedding(12, 3, sparse=True),
-                           "b": nn.Embedding(12, 3, sparse=True)}).double()
+    model = nn.ModuleDict(
+        {"a": nn.Embedding(12, 3, sparse=True), "b": nn.Embedding(12, 3, sparse=True)}
+    ).double()
     ref = copy.deepcopy(model)
-    opt = mpidp.DistributedOptimizer(torch.optim.SparseAdam(list(model.parameters()), lr=0.1),
-                                     named_parameters=model.named_parameters(),
-                                     sparse_as_dense=True)
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SparseAdam(list(model.parameters()), lr=0.1),
+        named_parameters=model.named_parameters(),
+        sparse_as_dense=True,
+    )
     ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
 
     def loss_of(m, k, step):
@@ -504,8 +560,7 @@ def test_sparse_adam_with_sparse_as_dense_gets_sparse_gradients():
         ref_opt.zero_grad()
         (sum(loss_of(ref, k, step) for k in range(n)) / n).backward()
         ref_opt.step()
-    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(),
-                                                         ref.parameters()))
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     assert_all(err < 1e-10, f"deviation from one process's SparseAdam {err}")
     _assert_replicas_bitwise(model, "sparse_as_dense SparseAdam")
 
@@ -529,19 +584,26 @@ def test_broadcast_optimizer_state_leaves_zero_grads_on_a_fresh_optimizer(kind):
     before = [p.detach().clone() for p in model.parameters()]
     run_all(mpidp.broadcast_optimizer_state, opt, 0)
     grads = [p.grad for p in model.parameters()]
-    zero = all(g is not None and g.shape == p.shape and not g.to_dense().any()
-               and g.is_sparse == (kind == "sparse_adam")
-               for g, p in zip(grads, model.parameters()))
+    zero = all(
+        g is not None
+        and g.shape == p.shape
+        and not g.to_dense().any()
+        and g.is_sparse == (kind == "sparse_adam")
+        for g, p in zip(grads, model.parameters())
+    )
     assert_all(zero, f"{kind}: grads after broadcast_optimizer_state {grads}")
     assert_all(frozen.grad is None, "a frozen parameter got a gradient")
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert_all(unchanged and not opt.state_dict()["state"],
-               f"{kind}: weights moved or state was made (a step was taken)")
+    assert_all(
+        unchanged and not opt.state_dict()["state"],
+        f"{kind}: weights moved or state was made (a step was taken)",
+    )
 
     def train_step():  # the zero gradients take the first backward pass's, sparse ones too
         x = torch.tensor([[1, 2]]) if kind == "sparse_adam" else torch.ones(1, 5).double()
         model(x).sum().backward()
         opt.step()
+
     run_all(train_step)
 
 
@@ -564,14 +626,18 @@ def test_objects_and_check_replicas():
 
 # ---- gradient buckets ----
 
+
 def _reinit(**knobs):
     mpidp.shutdown()
     mpidp.init(**knobs)
 
 
 def _train(model, steps=3, **opt_kw):
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                     named_parameters=model.named_parameters(), **opt_kw)
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        **opt_kw,
+    )
     for step in _data(steps=steps, micro=1):
         opt.zero_grad()
         for x, y in step:
@@ -595,8 +661,10 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
             params.append([p.detach().clone() for p in model.parameters()])
             sizes = [len(b.params) for b in opt._buckets]
             trained = sum(1 for p in model.parameters() if p.requires_grad)
-            assert_all(sum(sizes) == trained and (cap != 0 or max(sizes) == 1),
-                       f"bucket_bytes={cap}: bucket sizes {sizes}")
+            assert_all(
+                sum(sizes) == trained and (cap != 0 or max(sizes) == 1),
+                f"bucket_bytes={cap}: bucket sizes {sizes}",
+            )
     finally:
         run_all(_reinit)
     # Gloo's ring starts each chunk's sum at a rank set by the element's offset in the fused
@@ -634,28 +702,33 @@ def test_overlap_knob_decides_when_buckets_are_submitted(in_backward):
         for setting in ("1", "0"):
             run_all(_reinit, overlap=setting, bucket_bytes=64, reduce_in_backward=in_backward)
             model = _model()
-            opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                             named_parameters=model.named_parameters())
-            (x, y), = _data(steps=1, micro=1)[0]
+            opt = mpidp.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=model.named_parameters(),
+            )
+            ((x, y),) = _data(steps=1, micro=1)[0]
             F.cross_entropy(model(_shard(x)), _shard(y)).backward()
             submitted = sum(b.submitted for b in opt._buckets)
             want = len(opt._buckets) if setting == "1" or in_backward else 0
             completed = opt.step_state.phase is Phase.REDUCED
             if submitted != want or completed != in_backward:
-                problems.append(f"overlap={setting}: {submitted} of {len(opt._buckets)} "
-                                f"buckets submitted during backward, completed "
-                                f"{completed}")
+                problems.append(
+                    f"overlap={setting}: {submitted} of {len(opt._buckets)} "
+                    f"buckets submitted during backward, completed "
+                    f"{completed}"
+                )
             try:
                 opt.zero_grad()
                 if not in_backward:
                     problems.append(f"overlap={setting}: zero_grad() before step() accepted")
             except ValueError:
                 if in_backward:
-                    problems.append(f"overlap={setting}: zero_grad() after a reduced "
-                                    f"backward refused")
+                    problems.append(
+                        f"overlap={setting}: zero_grad() after a reduced backward refused"
+                    )
             if not in_backward:
                 run_all(opt.step)
-            for (x, y), in _data(steps=2, micro=1, seed=2):
+            for ((x, y),) in _data(steps=2, micro=1, seed=2):
                 opt.zero_grad()
                 F.cross_entropy(model(_shard(x)), _shard(y)).backward()
                 run_all(opt.step)
@@ -672,8 +745,9 @@ def test_buckets_follow_reverse_parameter_order_and_the_cap():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))  # 80, 16, 80, ...
     try:
         run_all(_reinit, bucket_bytes=100)
-        opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())
+        opt = mpidp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
         name_of = {p: n for n, p in model.named_parameters()}
         got = [[name_of[p] for p in b.params] for b in opt._buckets]
         names = [b.name for b in opt._buckets]
@@ -689,6 +763,7 @@ def test_buckets_follow_reverse_parameter_order_and_the_cap():
 def test_frozen_parameters_are_skipped():
     """requires_grad=False when wrapped: no hook (torch would refuse one), never reduced, never
     changed; the trained part equals the single-process reference."""
+
     def build():
         m = _model()
         for p in m[0].parameters():
@@ -697,15 +772,17 @@ def test_frozen_parameters_are_skipped():
 
     model, ref = build(), build()
     frozen = [p.detach().clone() for p in model[0].parameters()]
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     _train_both(model, opt, ref, ref_opt, steps=3, micro=1)
     same = all(torch.equal(a, b) for a, b in zip(frozen, model[0].parameters()))
     no_grad = all(p.grad is None for p in model[0].parameters())
     err = _close(model, ref)
-    assert_all(same and no_grad and err < 1e-10, f"frozen kept {same}, no grad {no_grad}, "
-                                                 f"deviation {err}")
+    assert_all(
+        same and no_grad and err < 1e-10, f"frozen kept {same}, no grad {no_grad}, deviation {err}"
+    )
     _assert_replicas_bitwise(model, "frozen backbone")
 
 
@@ -714,8 +791,9 @@ def test_all_parameters_frozen_is_a_no_op():
     model = _model()
     for p in model.parameters():
         p.requires_grad_(False)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     run_all(opt.step)
     assert_all(opt._buckets == [], f"{opt._buckets}")
 
@@ -734,10 +812,11 @@ def test_second_backward_before_step_raises_naming_parameter_and_remedies(overla
 
 def _second_backward_refused(overlapping):
     model = _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     opt._overlap = overlapping  # what MPIDP_OVERLAP=1 / 0 decides
-    (x, y), = _data(steps=1, micro=1)[0]
+    ((x, y),) = _data(steps=1, micro=1)[0]
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()
     # Overlapping, let the first pass's reduction finish and land in .grad: a refused pass must
     # not have added its gradient to it (the replicas would differ from here on). Not
@@ -767,8 +846,9 @@ def test_second_backward_after_a_reduced_one_accumulates_as_ddp(overlapping):
     second one before step() adds to them and is reduced in turn, which is the average of the
     sum (reduction is linear), as DDP accumulates: the step equals one process on both."""
     model, ref = _model(), _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     opt._overlap = overlapping
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     _train_both(model, opt, ref, ref_opt, steps=2, micro=2)
@@ -780,8 +860,9 @@ def test_second_backward_after_a_reduced_one_accumulates_as_ddp(overlapping):
 @pytest.mark.mpi
 def test_bucket_with_mixed_dtypes_splits_by_dtype():
     model = nn.Sequential(nn.Linear(3, 3).double(), nn.Linear(3, 3).float())
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     kinds = [{p.dtype for p in b.params} for b in opt._buckets]
     assert_all(all(len(k) == 1 for k in kinds) and len(kinds) == 2, f"{kinds}")
     g = torch.Generator().manual_seed(mpidp.rank())
@@ -796,8 +877,9 @@ def test_parameter_names_map_as_horovod_keeps_it():
     """`opt._parameter_names` maps each parameter to its name, as Horovod's optimizer does
     (scripts read it); without named_parameters the names are Horovod's automatic ones."""
     model = _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     want = {p: n for n, p in model.named_parameters()}
     got = opt._parameter_names
     ok = len(got) == len(want) and all(got[p] == n for p, n in want.items())
@@ -810,10 +892,16 @@ def test_parameter_names_map_as_horovod_keeps_it():
 @pytest.mark.mpi
 def test_wrapping_twice_says_so():
     model = _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
-    raises_all(ValueError, mpidp.DistributedOptimizer, opt,
-               named_parameters=model.named_parameters(), match="already a DistributedOptimizer")
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    raises_all(
+        ValueError,
+        mpidp.DistributedOptimizer,
+        opt,
+        named_parameters=model.named_parameters(),
+        match="already a DistributedOptimizer",
+    )
 
 
 @pytest.mark.mpi
@@ -825,25 +913,35 @@ def test_wrapped_optimizer_is_an_instance_of_its_class(kind):
         pytest.skip("Adasum needs a power-of-2 number of ranks")
     model = _model()
     inner = (torch.optim.Adam if kind == "Adam" else torch.optim.SGD)(model.parameters(), lr=0.1)
-    opt = mpidp.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                     op=mpidp.Adasum if kind == "Adasum" else mpidp.Average)
+    opt = mpidp.DistributedOptimizer(
+        inner,
+        named_parameters=model.named_parameters(),
+        op=mpidp.Adasum if kind == "Adasum" else mpidp.Average,
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.zero_grad()
     model(torch.ones(4, 5, dtype=torch.float64)).sum().backward()
     opt.step()
     sched.step()
-    ok = (isinstance(opt, type(inner)) and isinstance(opt, mpidp.DistributedOptimizer)
-          and type(opt).__name__ == type(inner).__name__ and inner.param_groups[0]["lr"] == 0.05
-          and opt.state is inner.state and "DistributedOptimizer(" in repr(opt))
+    ok = (
+        isinstance(opt, type(inner))
+        and isinstance(opt, mpidp.DistributedOptimizer)
+        and type(opt).__name__ == type(inner).__name__
+        and inner.param_groups[0]["lr"] == 0.05
+        and opt.state is inner.state
+        and "DistributedOptimizer(" in repr(opt)
+    )
     assert_all(ok, f"{type(opt).__mro__} lr {inner.param_groups[0]['lr']}")
 
 
 def _against_one_process(model, ref, make_opt, compression, shape, seed):
     """Train `model` on N ranks' shards and `ref` in one process on the whole batches, 3 steps
     of `make_opt` (a torch optimizer class with its lr); returns the largest deviation."""
-    opt = mpidp.DistributedOptimizer(make_opt(model.parameters()),
-                                     named_parameters=model.named_parameters(),
-                                     compression=getattr(mpidp.Compression, compression))
+    opt = mpidp.DistributedOptimizer(
+        make_opt(model.parameters()),
+        named_parameters=model.named_parameters(),
+        compression=getattr(mpidp.Compression, compression),
+    )
     ref_opt = make_opt(ref.parameters())
     g = torch.Generator().manual_seed(seed)
     for _ in range(3):
@@ -877,8 +975,9 @@ def test_non_contiguous_gradients_are_reduced(compression):
     """channels_last models (DDP trains them) used to fail the first step: the bucket op refused
     gradients that are not contiguous."""
     model, ref = _Strided(), _Strided()
-    err = _against_one_process(model, ref, lambda ps: torch.optim.SGD(ps, lr=0.1), compression,
-                               (3, 4, 4), seed=2)
+    err = _against_one_process(
+        model, ref, lambda ps: torch.optim.SGD(ps, lr=0.1), compression, (3, 4, 4), seed=2
+    )
     assert_all(err < (1e-2 if compression == "fp16" else 1e-10), f"max deviation {err}")
     _assert_replicas_bitwise(model, "non-contiguous gradients")
 
@@ -888,8 +987,9 @@ def test_parameters_resized_in_place_between_steps():
     """Structured pruning (p.data = p.data[keep]) changes gradient shapes: the bucket's kept
     request no longer fits and is negotiated again (the data path used to fail and abort)."""
     model, ref = _model(), _model()
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step, ((x, y),) in enumerate(_data(steps=4, micro=1)):
         if step == 2:
@@ -933,8 +1033,9 @@ def test_complex_parameters_are_reduced(compression):
             for t in list(model.parameters()) + list(model.buffers()):
                 t.mul_(3)
     run_all(mpidp.broadcast_parameters, model.state_dict(), 0)
-    err = _against_one_process(model, ref, lambda ps: torch.optim.Adam(ps, lr=0.01),
-                               compression, (4,), seed=4)
+    err = _against_one_process(
+        model, ref, lambda ps: torch.optim.Adam(ps, lr=0.01), compression, (4,), seed=4
+    )
     err = max(err, (model.phase - ref.phase).abs().max().item())
     assert_all(err < (1e-2 if compression == "fp16" else 1e-10), f"max deviation {err}")
 
@@ -942,8 +1043,11 @@ def test_complex_parameters_are_reduced(compression):
 class _EmbedNet(nn.Module):
     def __init__(self, bag: bool):
         super().__init__()
-        self.emb = nn.EmbeddingBag(12, 3, mode="sum", sparse=True) if bag else \
-            nn.Embedding(12, 3, sparse=True)
+        self.emb = (
+            nn.EmbeddingBag(12, 3, mode="sum", sparse=True)
+            if bag
+            else nn.Embedding(12, 3, sparse=True)
+        )
         self.fc = nn.Linear(3, 2)
         self.bag = bag
 
@@ -966,8 +1070,9 @@ def test_sparse_gradients_are_reduced_sparse(bag, skipped, overlapping):
     torch.manual_seed(3)
     model = _EmbedNet(bag).double()
     ref = copy.deepcopy(model)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     opt._overlap = overlapping
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     n, r = mpidp.size(), mpidp.rank()
@@ -977,22 +1082,27 @@ def test_sparse_gradients_are_reduced_sparse(bag, skipped, overlapping):
         ids = torch.randint(0, 12, (n * 2, 4), generator=g)
         skip = step == skipped and r == n - 1
         opt.zero_grad()
-        mine = ids[2 * r:2 * r + 2]
+        mine = ids[2 * r : 2 * r + 2]
         loss = model.fc.bias.sum() * 0.0 if skip else model(mine).pow(2).sum()
         loss.backward()
         run_all(opt.step)
         seen_sparse.append(model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse)
         ref_opt.zero_grad()
-        parts = [ref(ids[2 * k:2 * k + 2]).pow(2).sum() for k in range(n)
-                 if not (step == skipped and k == n - 1)]
+        parts = [
+            ref(ids[2 * k : 2 * k + 2]).pow(2).sum()
+            for k in range(n)
+            if not (step == skipped and k == n - 1)
+        ]
         (sum(parts) / n + ref.fc.bias.sum() * 0.0).backward()
         ref_opt.step()
     err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     # On one rank that skips the first step no rank had a sparse gradient when the kinds were
     # agreed: the embedding is reduced dense (its sparse gradients densified), still exact.
     sparse = not (skipped == 0 and n == 1)
-    assert_all(err < 1e-10 and all(s == sparse for s in seen_sparse),
-               f"deviation {err}, sparse grads {seen_sparse}")
+    assert_all(
+        err < 1e-10 and all(s == sparse for s in seen_sparse),
+        f"deviation {err}, sparse grads {seen_sparse}",
+    )
     _assert_replicas_bitwise(model, "sparse")
 
 
@@ -1003,10 +1113,12 @@ def test_a_dropped_optimizer_is_freed_and_its_hooks_do_nothing(kind):
     freed at once (join() then never serves a dead ShardedOptimizer), and a later backward
     through the same parameters leaves their gradients alone."""
     import weakref
+
     model = _model()
-    opt = getattr(mpidp, kind)(torch.optim.SGD(model.parameters(), lr=0.1),
-                               named_parameters=model.named_parameters())
-    (x, y), = _data(steps=1, micro=1)[0]
+    opt = getattr(mpidp, kind)(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    ((x, y),) = _data(steps=1, micro=1)[0]
     F.cross_entropy(model(_shard(x)), _shard(y)).backward()
     run_all(opt.step)
     gone = weakref.ref(opt)
@@ -1024,9 +1136,11 @@ def test_a_post_accumulate_hook_registered_after_wrapping_runs_before_the_reduct
     user's hook made of the gradient (here: doubled)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=model.named_parameters()
+    )
     opt._overlap = overlap
+
     def double(t):
         time.sleep(0.1)  # long enough for the engine to reduce a bucket that left too early
         t.grad.mul_(2.0)

@@ -3,10 +3,22 @@
 import numpy as np
 import pytest
 import torch
+from mpi_util import (
+    DTYPES,
+    FLOAT_DTYPES,
+    SIGNED_DTYPES,
+    assert_all,
+    cast,
+    dtype_id,
+    int_average,
+    raises_all,
+    rank,
+    run_all,
+    size,
+    tensor_diff,
+)
 
 import mpidp
-from mpi_util import (DTYPES, FLOAT_DTYPES, SIGNED_DTYPES, assert_all, cast, dtype_id,
-                      int_average, raises_all, rank, run_all, size, tensor_diff)
 
 
 def problems_of(pairs):
@@ -29,6 +41,7 @@ def check(pairs, extra=(), device=None):
 
 
 # ---- allgather ----
+
 
 def gather_input(r: int, dtype, rows=None) -> torch.Tensor:
     """rank r: r+1 rows (or `rows`) of shape (2, 3), values that encode the rank and position."""
@@ -53,8 +66,7 @@ def test_allgather_uneven_first_dim(dtype, device):
 
     out, out_async = run_all(body)
     extra = [] if torch.equal(x, orig) else ["allgather modified its input"]
-    check([("allgather", out, expected), ("allgather_async", out_async, expected)], extra,
-          device)
+    check([("allgather", out, expected), ("allgather_async", out_async, expected)], extra, device)
 
 
 @pytest.mark.mpi
@@ -96,12 +108,19 @@ def test_allgather_same_name_twice_with_changing_first_dim():
 def test_grouped_allgather(device):
     name = f"test_grouped_allgather.{device.type}"
     r, n = rank(), size()
-    xs = [t.to(device) for t in (gather_input(r, torch.float32),
-                                 cast(torch.full((2, 4), r), torch.int64),
-                                 cast(torch.tensor(r), torch.bfloat16))]
-    expected = [torch.cat([gather_input(k, torch.float32) for k in range(n)]),
-                torch.cat([torch.full((2, 4), k, dtype=torch.int64) for k in range(n)]),
-                torch.arange(n).to(torch.bfloat16)]
+    xs = [
+        t.to(device)
+        for t in (
+            gather_input(r, torch.float32),
+            cast(torch.full((2, 4), r), torch.int64),
+            cast(torch.tensor(r), torch.bfloat16),
+        )
+    ]
+    expected = [
+        torch.cat([gather_input(k, torch.float32) for k in range(n)]),
+        torch.cat([torch.full((2, 4), k, dtype=torch.int64) for k in range(n)]),
+        torch.arange(n).to(torch.bfloat16),
+    ]
 
     def body():
         outs = mpidp.grouped_allgather(xs, name=f"{name}.blocking")
@@ -109,15 +128,24 @@ def test_grouped_allgather(device):
         return outs, outs_async
 
     outs, outs_async = run_all(body)
-    extra = [f"{w} returned {type(o).__name__} of {len(o)}" for w, o in
-             (("grouped_allgather", outs), ("grouped_allgather_async", outs_async))
-             if not isinstance(o, list) or len(o) != 3]
-    check([(f"grouped_allgather[{i}]", o, e) for i, (o, e) in enumerate(zip(outs, expected))]
-          + [(f"grouped_allgather_async[{i}]", o, e)
-             for i, (o, e) in enumerate(zip(outs_async, expected))], extra, device)
+    extra = [
+        f"{w} returned {type(o).__name__} of {len(o)}"
+        for w, o in (("grouped_allgather", outs), ("grouped_allgather_async", outs_async))
+        if not isinstance(o, list) or len(o) != 3
+    ]
+    check(
+        [(f"grouped_allgather[{i}]", o, e) for i, (o, e) in enumerate(zip(outs, expected))]
+        + [
+            (f"grouped_allgather_async[{i}]", o, e)
+            for i, (o, e) in enumerate(zip(outs_async, expected))
+        ],
+        extra,
+        device,
+    )
 
 
 # ---- broadcast ----
+
 
 def bcast_input(r: int, dtype) -> torch.Tensor:
     i = torch.arange(12, dtype=torch.int64).reshape(3, 4)
@@ -141,19 +169,21 @@ def test_broadcast_every_root(dtype, device):
             a, b = x.clone(), x.clone()
             h1 = mpidp.broadcast_async(a, root, name=f"{name}.async.{root}")
             h2 = mpidp.broadcast_async_(b, root_rank=root, name=f"{name}.async_.{root}")
-            results.append((root, out, y, ret, a, mpidp.synchronize(h1), b,
-                            mpidp.synchronize(h2)))
+            results.append((root, out, y, ret, a, mpidp.synchronize(h1), b, mpidp.synchronize(h2)))
         return results
 
     pairs, extra = [], []
     for root, out, y, ret, a, out_async, b, ret2 in run_all(body):
         want = bcast_input(root, dtype)
-        pairs += [(f"root {root} broadcast", out, want), (f"root {root} broadcast_", y, want),
-                  (f"root {root} broadcast_ returned", ret, want),
-                  (f"root {root} broadcast_async", out_async, want),
-                  (f"root {root} broadcast_async_", b, want),
-                  (f"root {root} broadcast_async_ returned", ret2, want),
-                  (f"root {root} broadcast_async input", a, orig)]
+        pairs += [
+            (f"root {root} broadcast", out, want),
+            (f"root {root} broadcast_", y, want),
+            (f"root {root} broadcast_ returned", ret, want),
+            (f"root {root} broadcast_async", out_async, want),
+            (f"root {root} broadcast_async_", b, want),
+            (f"root {root} broadcast_async_ returned", ret2, want),
+            (f"root {root} broadcast_async input", a, orig),
+        ]
         if ret.data_ptr() != y.data_ptr() or ret2.data_ptr() != b.data_ptr():
             extra.append(f"root {root}: in-place broadcast did not return the input's storage")
     if not torch.equal(x, orig):
@@ -171,6 +201,7 @@ def test_broadcast_scalar_with_numpy_root():
 
 
 # ---- alltoall ----
+
 
 def code(sender: int, dest: int, k: int) -> int:
     """Value of row k that `sender` sends to `dest`; < 64 so it fits int8 and is exact in bf16."""
@@ -198,8 +229,7 @@ def a2a_split_input(r: int, n: int, dtype, spare: int = 0) -> torch.Tensor:
 def a2a_split_expected(r: int, n: int, dtype):
     rows = [[code(j, r, k), 1] for j in range(n) for k in range(a2a_splits(j, n)[r])]
     t = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 2)
-    return cast(t, dtype), torch.tensor([a2a_splits(j, n)[r] for j in range(n)],
-                                        dtype=torch.int32)
+    return cast(t, dtype), torch.tensor([a2a_splits(j, n)[r] for j in range(n)], dtype=torch.int32)
 
 
 @pytest.mark.mpi
@@ -209,8 +239,7 @@ def test_alltoall_even(dtype, device):
     r, n = rank(), size()
     x = a2a_even_input(r, n, dtype).to(device)
     orig = x.clone()
-    expected = cast(torch.tensor([[code(j, r, k)] * 3 for j in range(n) for k in range(2)]),
-                    dtype)
+    expected = cast(torch.tensor([[code(j, r, k)] * 3 for j in range(n) for k in range(2)]), dtype)
 
     def body():
         out = mpidp.alltoall(x, name=f"{name}.blocking")
@@ -219,8 +248,7 @@ def test_alltoall_even(dtype, device):
 
     out, out_async = run_all(body)
     extra = [] if torch.equal(x, orig) else ["alltoall modified its input"]
-    check([("alltoall", out, expected), ("alltoall_async", out_async, expected)], extra,
-          device)
+    check([("alltoall", out, expected), ("alltoall_async", out_async, expected)], extra, device)
 
 
 @pytest.mark.mpi
@@ -236,13 +264,16 @@ def test_alltoall_with_splits(dtype, device):
         x = a2a_split_input(r, n, dtype).to(device)
         results["list splits"] = mpidp.alltoall(x, splits=splits, name=f"{name}.list")
         results["int32 tensor splits"] = mpidp.alltoall(
-            x, splits=torch.tensor(splits, dtype=torch.int32), name=f"{name}.t32")
+            x, splits=torch.tensor(splits, dtype=torch.int32), name=f"{name}.t32"
+        )
         results["numpy splits, spare rows"] = mpidp.alltoall(
             a2a_split_input(r, n, dtype, spare=2).to(device),
             splits=np.array(splits, dtype=np.int64),
-            name=f"{name}.np")
-        results["async, int64 tensor splits"] = mpidp.synchronize(mpidp.alltoall_async(
-            x, splits=torch.tensor(splits), name=f"{name}.async"))
+            name=f"{name}.np",
+        )
+        results["async, int64 tensor splits"] = mpidp.synchronize(
+            mpidp.alltoall_async(x, splits=torch.tensor(splits), name=f"{name}.async")
+        )
         return results
 
     pairs, extra = [], []
@@ -253,8 +284,7 @@ def test_alltoall_with_splits(dtype, device):
         out, got_splits = res
         pairs.append((f"{what}: output", out, exp_out))
         if not isinstance(got_splits, torch.Tensor) or got_splits.tolist() != exp_splits.tolist():
-            extra.append(f"{what}: received splits {got_splits!r}, expected "
-                         f"{exp_splits.tolist()}")
+            extra.append(f"{what}: received splits {got_splits!r}, expected {exp_splits.tolist()}")
     check(pairs, extra, device)
 
 
@@ -268,6 +298,7 @@ def test_alltoall_all_zero_splits_and_empty_tensor():
 
 
 # ---- reducescatter ----
+
 
 def rs_input(r: int, dtype, dim0: int) -> torch.Tensor:
     i = torch.arange(dim0 * 2, dtype=torch.int64).reshape(dim0, 2)
@@ -292,7 +323,7 @@ def rs_expected(r: int, n: int, dtype, op, dim0: int, pre: float = 1.0, post: fl
             full = int_average(full, n)
     rows = [dim0 // n + (1 if k < dim0 % n else 0) for k in range(n)]
     start = sum(rows[:r])
-    return full[start:start + rows[r]].to(dtype)
+    return full[start : start + rows[r]].to(dtype)
 
 
 RS_OPS = [mpidp.Average, mpidp.Sum]
@@ -308,8 +339,14 @@ def test_reducescatter(dtype, op, device):
     if n > 2:
         uneven = 2 * n + n - 1  # the first n-1 ranks get an extra row
     if dtype == torch.bool and op == mpidp.Average:
-        raises_all(TypeError, mpidp.reducescatter, rs_input(r, dtype, even).to(device),
-                   name=name, op=op, match="bool")
+        raises_all(
+            TypeError,
+            mpidp.reducescatter,
+            rs_input(r, dtype, even).to(device),
+            name=name,
+            op=op,
+            match="bool",
+        )
         return
 
     def body():
@@ -317,11 +354,17 @@ def test_reducescatter(dtype, op, device):
         for label, dim0 in (("even", even), ("uneven", uneven), ("fewer rows than ranks", 1)):
             x = rs_input(r, dtype, dim0).to(device)
             orig = x.clone()
-            results[label] = (mpidp.reducescatter(x, name=f"{name}.{label}", op=op),
-                              rs_expected(r, n, dtype, op, dim0), torch.equal(x, orig))
+            results[label] = (
+                mpidp.reducescatter(x, name=f"{name}.{label}", op=op),
+                rs_expected(r, n, dtype, op, dim0),
+                torch.equal(x, orig),
+            )
         x = rs_input(r, dtype, uneven).to(device)
-        results["async"] = (mpidp.synchronize(mpidp.reducescatter_async(
-            x, name=f"{name}.async", op=op)), rs_expected(r, n, dtype, op, uneven), True)
+        results["async"] = (
+            mpidp.synchronize(mpidp.reducescatter_async(x, name=f"{name}.async", op=op)),
+            rs_expected(r, n, dtype, op, uneven),
+            True,
+        )
         return results
 
     results = run_all(body)
@@ -338,13 +381,20 @@ def test_reducescatter_prescale_postscale(dtype):
     x = rs_input(r, dtype, dim0)
 
     def body():
-        return {op.name: mpidp.reducescatter(x, name=f"{name}.{op.name}", op=op,
-                                             prescale_factor=0.5, postscale_factor=3.0)
-                for op in RS_OPS}
+        return {
+            op.name: mpidp.reducescatter(
+                x, name=f"{name}.{op.name}", op=op, prescale_factor=0.5, postscale_factor=3.0
+            )
+            for op in RS_OPS
+        }
 
     outs = run_all(body)
-    check([(f"{op.name} scaled", outs[op.name],
-            rs_expected(r, n, dtype, op, dim0, 0.5, 3.0)) for op in RS_OPS])
+    check(
+        [
+            (f"{op.name} scaled", outs[op.name], rs_expected(r, n, dtype, op, dim0, 0.5, 3.0))
+            for op in RS_OPS
+        ]
+    )
 
 
 @pytest.mark.mpi
@@ -369,16 +419,31 @@ def test_grouped_reducescatter(device):
         return sums, avgs
 
     sums, avgs = run_all(body)
-    extra = [f"{w}: expected a list of 3" for w, o in (("sum", sums), ("avg", avgs))
-             if not isinstance(o, list) or len(o) != 3]
-    check([(f"grouped_reducescatter Sum[{i}]", o, rs_expected(r, n, d, mpidp.Sum, dim0))
-           for i, (o, (d, dim0)) in enumerate(zip(sums, specs))]
-          + [(f"grouped_reducescatter_async Average[{i}]", o,
-              rs_expected(r, n, d, mpidp.Average, dim0))
-             for i, (o, (d, dim0)) in enumerate(zip(avgs, specs))], extra, device)
+    extra = [
+        f"{w}: expected a list of 3"
+        for w, o in (("sum", sums), ("avg", avgs))
+        if not isinstance(o, list) or len(o) != 3
+    ]
+    check(
+        [
+            (f"grouped_reducescatter Sum[{i}]", o, rs_expected(r, n, d, mpidp.Sum, dim0))
+            for i, (o, (d, dim0)) in enumerate(zip(sums, specs))
+        ]
+        + [
+            (
+                f"grouped_reducescatter_async Average[{i}]",
+                o,
+                rs_expected(r, n, d, mpidp.Average, dim0),
+            )
+            for i, (o, (d, dim0)) in enumerate(zip(avgs, specs))
+        ],
+        extra,
+        device,
+    )
 
 
 # ---- edge cases shared by several ops ----
+
 
 @pytest.mark.mpi
 def test_empty_tensors(device):
@@ -394,19 +459,18 @@ def test_empty_tensors(device):
             "reducescatter": mpidp.reducescatter(empty(0, 3), op=mpidp.Sum, name=f"{name}.rs"),
             "alltoall": mpidp.alltoall(empty(0, 3), name=f"{name}.a2a"),
             "grouped_allreduce": mpidp.grouped_allreduce(
-                [empty(0), torch.ones(1, device=device)], op=mpidp.Sum, name=f"{name}.g")[0],
+                [empty(0), torch.ones(1, device=device)], op=mpidp.Sum, name=f"{name}.g"
+            )[0],
         }
 
     outs = run_all(body)
-    want = {k: torch.empty(0, 3) for k in ("broadcast", "allgather", "reducescatter",
-                                           "alltoall")}
+    want = {k: torch.empty(0, 3) for k in ("broadcast", "allgather", "reducescatter", "alltoall")}
     want["grouped_allreduce"] = torch.empty(0)
     check([(k, outs[k], v) for k, v in want.items()], device=device)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16],
-                         ids=dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int16], ids=dtype_id)
 def test_in_place_ops_on_views_touch_only_the_view(dtype):
     """In-place ops on a contiguous view write the view's elements and nothing around them."""
     name = f"test_in_place_ops_on_views_touch_only_the_view.{dtype_id(dtype)}"
@@ -434,19 +498,33 @@ def test_same_name_reused_across_op_types():
     name = "test_same_name_reused_across_op_types"
     r, n = rank(), size()
     steps = [
-        ("allreduce", lambda: mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name=name),
-         torch.full((2,), float(n))),
+        (
+            "allreduce",
+            lambda: mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name=name),
+            torch.full((2,), float(n)),
+        ),
         ("allgather", lambda: mpidp.allgather(torch.tensor([r]), name=name), torch.arange(n)),
-        ("broadcast root 0", lambda: mpidp.broadcast(torch.tensor([r]), 0, name=name),
-         torch.tensor([0])),
-        ("broadcast last root", lambda: mpidp.broadcast(torch.tensor([r]), n - 1, name=name),
-         torch.tensor([n - 1])),
+        (
+            "broadcast root 0",
+            lambda: mpidp.broadcast(torch.tensor([r]), 0, name=name),
+            torch.tensor([0]),
+        ),
+        (
+            "broadcast last root",
+            lambda: mpidp.broadcast(torch.tensor([r]), n - 1, name=name),
+            torch.tensor([n - 1]),
+        ),
         ("alltoall", lambda: mpidp.alltoall(torch.full((n,), r), name=name), torch.arange(n)),
-        ("reducescatter", lambda: mpidp.reducescatter(torch.ones(n, 2), op=mpidp.Sum,
-                                                      name=name), torch.full((1, 2), float(n))),
-        ("allreduce int", lambda: mpidp.allreduce(torch.ones(2, dtype=torch.int32),
-                                                  op=mpidp.Max, name=name),
-         torch.ones(2, dtype=torch.int32)),
+        (
+            "reducescatter",
+            lambda: mpidp.reducescatter(torch.ones(n, 2), op=mpidp.Sum, name=name),
+            torch.full((1, 2), float(n)),
+        ),
+        (
+            "allreduce int",
+            lambda: mpidp.allreduce(torch.ones(2, dtype=torch.int32), op=mpidp.Max, name=name),
+            torch.ones(2, dtype=torch.int32),
+        ),
     ]
 
     def body():
@@ -462,14 +540,21 @@ def test_reducescatter_takes_horovods_arguments_and_compression():
     name = "test_reducescatter_takes_horovods_arguments"
     n, r = size(), rank()
     x = torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3) + r
-    want = (sum(torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3) + k
-                for k in range(n)))[2 * r:2 * r + 2]
-    got = run_all(mpidp.reducescatter, x, f"{name}.a", mpidp.Compression.fp16, mpidp.Sum, None,
-                  1.0, 1.0)
-    grouped = run_all(mpidp.grouped_reducescatter, [x, x * 2], f"{name}.g",
-                      mpidp.Compression.fp16, mpidp.Sum)
-    ok = got.dtype == torch.float32 and torch.equal(got, want) and \
-        torch.equal(grouped[0], want) and torch.equal(grouped[1], want * 2)
+    want = (
+        sum(torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3) + k for k in range(n))
+    )[2 * r : 2 * r + 2]
+    got = run_all(
+        mpidp.reducescatter, x, f"{name}.a", mpidp.Compression.fp16, mpidp.Sum, None, 1.0, 1.0
+    )
+    grouped = run_all(
+        mpidp.grouped_reducescatter, [x, x * 2], f"{name}.g", mpidp.Compression.fp16, mpidp.Sum
+    )
+    ok = (
+        got.dtype == torch.float32
+        and torch.equal(got, want)
+        and torch.equal(grouped[0], want)
+        and torch.equal(grouped[1], want * 2)
+    )
     assert_all(ok, f"{got} vs {want}; grouped {grouped}")
     for fn, arg in ((mpidp.reducescatter, x), (mpidp.grouped_reducescatter, [x])):
         raises_all(TypeError, fn, arg, f"{name}.bad", mpidp.Sum, match="pass op= by keyword")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from mpi4py import MPI
+from mpi_util import assert_all, gather, raises_all, run_all
 
 import mpidp
-from mpi_util import assert_all, gather, raises_all, run_all
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -45,6 +45,7 @@ def test_set_queries(evens_odds):
         assert evens.process_set_id != odds.process_set_id
         with pytest.raises(ValueError, match="not in process set"):
             other.rank()
+
     run_all(check)
 
 
@@ -53,14 +54,15 @@ def test_allreduce_reduces_over_members_only(evens_odds, op, device):
     rank, size = _world()
     mine, _ = _mine(*evens_odds)
     x = torch.full((5,), float(rank + 1), device=device)
-    out = run_all(mpidp.allreduce, x, name=f"ps.allreduce.{device.type}", op=op,
-                  process_set=mine)
+    out = run_all(mpidp.allreduce, x, name=f"ps.allreduce.{device.type}", op=op, process_set=mine)
     vals = [r + 1.0 for r in mine.ranks]
-    expected = {mpidp.Sum: sum(vals), mpidp.Average: sum(vals) / len(vals),
-                mpidp.Max: max(vals)}[op]
-    assert_all(out.device == device and torch.allclose(out, torch.full((5,), expected,
-                                                                       device=device)),
-               f"{out} != {expected} on {device}")
+    expected = {mpidp.Sum: sum(vals), mpidp.Average: sum(vals) / len(vals), mpidp.Max: max(vals)}[
+        op
+    ]
+    assert_all(
+        out.device == device and torch.allclose(out, torch.full((5,), expected, device=device)),
+        f"{out} != {expected} on {device}",
+    )
 
 
 def test_unnamed_ops_in_sets_and_world_interleave(evens_odds):
@@ -74,6 +76,7 @@ def test_unnamed_ops_in_sets_and_world_interleave(evens_odds):
         for _ in range(1 + rank % 2):
             outs.append(mpidp.allreduce(torch.ones(2), op=mpidp.Sum, process_set=mine))
         outs.append(mpidp.allreduce(torch.ones(2), op=mpidp.Sum))
+
     run_all(body)
     ok = all(o.tolist() == [float(mine.size())] * 2 for o in outs[:-1])
     assert_all(ok and outs[-1].tolist() == [float(size)] * 2, [o.tolist() for o in outs])
@@ -91,19 +94,23 @@ def test_other_collectives_in_a_set(evens_odds, device):
 
     def body():
         got = {}
-        got["allgather"] = mpidp.allgather(full((me + 1, 2), float(rank)),
-                                           name=f"ps.ag.{d}", process_set=mine)
-        got["bcast"] = mpidp.broadcast(full((3,), float(rank)), root_rank=members[-1],
-                                       name=f"ps.bc.{d}", process_set=mine)
-        got["alltoall"] = mpidp.alltoall(full((k,), float(rank)), name=f"ps.a2a.{d}",
-                                         process_set=mine)
-        got["rs"] = mpidp.reducescatter(full((k * 2, 3), 1.0), op=mpidp.Sum, name=f"ps.rs.{d}",
-                                        process_set=mine)
-        got["obj"] = mpidp.broadcast_object({"from": rank}, root_rank=members[0],
-                                            process_set=mine)
+        got["allgather"] = mpidp.allgather(
+            full((me + 1, 2), float(rank)), name=f"ps.ag.{d}", process_set=mine
+        )
+        got["bcast"] = mpidp.broadcast(
+            full((3,), float(rank)), root_rank=members[-1], name=f"ps.bc.{d}", process_set=mine
+        )
+        got["alltoall"] = mpidp.alltoall(
+            full((k,), float(rank)), name=f"ps.a2a.{d}", process_set=mine
+        )
+        got["rs"] = mpidp.reducescatter(
+            full((k * 2, 3), 1.0), op=mpidp.Sum, name=f"ps.rs.{d}", process_set=mine
+        )
+        got["obj"] = mpidp.broadcast_object({"from": rank}, root_rank=members[0], process_set=mine)
         got["objs"] = mpidp.allgather_object(rank, process_set=mine)
         mpidp.barrier(process_set=mine)
         return got
+
     got = run_all(body)
     expected_ag = torch.cat([full((i + 1, 2), float(r)) for i, r in enumerate(members)])
     checks = [
@@ -119,14 +126,21 @@ def test_other_collectives_in_a_set(evens_odds, device):
 
 def test_ops_on_a_set_this_rank_is_not_in_are_refused(evens_odds):
     _, other = _mine(*evens_odds)
-    raises_all(ValueError, mpidp.allreduce, torch.ones(1), process_set=other,
-               match="is not in process set")
+    raises_all(
+        ValueError, mpidp.allreduce, torch.ones(1), process_set=other, match="is not in process set"
+    )
 
 
 def test_broadcast_root_outside_the_set_is_refused(evens_odds):
     mine, other = _mine(*evens_odds)
-    raises_all(ValueError, mpidp.broadcast, torch.ones(1), root_rank=other.ranks[0],
-               process_set=mine, match="root_rank is a global rank and must be a member")
+    raises_all(
+        ValueError,
+        mpidp.broadcast,
+        torch.ones(1),
+        root_rank=other.ranks[0],
+        process_set=mine,
+        match="root_rank is a global rank and must be a member",
+    )
 
 
 def test_alltoall_splits_count_the_set_not_the_world(evens_odds):
@@ -134,8 +148,14 @@ def test_alltoall_splits_count_the_set_not_the_world(evens_odds):
     mine, _ = _mine(*evens_odds)
     if mine.size() == size:
         pytest.skip("set as large as the world")
-    raises_all(ValueError, mpidp.alltoall, torch.ones(size), splits=[1] * size,
-               process_set=mine, match=f"there are {mine.size()} ranks")
+    raises_all(
+        ValueError,
+        mpidp.alltoall,
+        torch.ones(size),
+        splits=[1] * size,
+        process_set=mine,
+        match=f"there are {mine.size()} ranks",
+    )
 
 
 def test_sets_and_world_run_concurrently(evens_odds):
@@ -145,11 +165,16 @@ def test_sets_and_world_run_concurrently(evens_odds):
     def body():
         handles = []
         for i in range(10):
-            handles.append(mpidp.allreduce_async(torch.full((100,), 1.0), name=f"w.{i}",
-                                                 op=mpidp.Sum))
-            handles.append(mpidp.allreduce_async(torch.full((100,), 1.0), name=f"s.{i}",
-                                                 op=mpidp.Sum, process_set=mine))
+            handles.append(
+                mpidp.allreduce_async(torch.full((100,), 1.0), name=f"w.{i}", op=mpidp.Sum)
+            )
+            handles.append(
+                mpidp.allreduce_async(
+                    torch.full((100,), 1.0), name=f"s.{i}", op=mpidp.Sum, process_set=mine
+                )
+            )
         return [mpidp.synchronize(h)[0].item() for h in handles]
+
     vals = run_all(body)
     assert_all(vals == [float(size), float(mine.size())] * 10, vals)
 
@@ -168,15 +193,18 @@ def test_distributed_optimizer_on_a_set(evens_odds, device):
     mine, _ = _mine(*evens_odds)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2).to(device)
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                     named_parameters=model.named_parameters(),
-                                     process_set=mine)
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        named_parameters=model.named_parameters(),
+        process_set=mine,
+    )
     data = torch.full((3, 4), float(rank), device=device)
 
     def step():
         opt.zero_grad()
         model(data).pow(2).sum().backward()
         opt.step()
+
     for _ in range(2):
         run_all(step)
     # Members of a set hold identical parameters; the two sets saw different data.
@@ -192,8 +220,11 @@ def test_broadcast_optimizer_state_within_a_set(evens_odds):
     rank, _ = _world()
     mine, _ = _mine(*evens_odds)
     model = torch.nn.Linear(3, 2)
-    opt = mpidp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1 + rank),
-                                     named_parameters=model.named_parameters(), process_set=mine)
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1 + rank),
+        named_parameters=model.named_parameters(),
+        process_set=mine,
+    )
     model(torch.full((2, 3), float(rank))).sum().backward()
     opt._opt.step()  # local state that differs by rank
     run_all(mpidp.broadcast_optimizer_state, opt, root_rank=mine.ranks[0], process_set=mine)
@@ -212,9 +243,11 @@ def test_distributed_optimizer_outside_its_set_steps_on_local_gradients(evens_od
     torch.manual_seed(0)
     model, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
     ref.load_state_dict(model.state_dict())
-    opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                     named_parameters=model.named_parameters(),
-                                     process_set=evens)
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        named_parameters=model.named_parameters(),
+        process_set=evens,
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     data = torch.full((3, 4), float(rank + 1))
 
@@ -227,6 +260,7 @@ def test_distributed_optimizer_outside_its_set_steps_on_local_gradients(evens_od
         ref_opt.zero_grad()
         ref(data).pow(2).sum().backward()
         ref_opt.step()
+
     for _ in range(2):
         run_all(step)
     local = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
@@ -249,8 +283,9 @@ def test_ranks_that_disagree_fail_every_rank():
     raises_all(ValueError, mpidp.add_process_set, ranks, match="ranks disagree")
 
 
-@pytest.mark.parametrize("ranks, match", [([], "at least one"), ([0, 0], "distinct"),
-                                          ([0, 99], "distinct ranks in 0..")])
+@pytest.mark.parametrize(
+    "ranks, match", [([], "at least one"), ([0, 0], "distinct"), ([0, 99], "distinct ranks in 0..")]
+)
 def test_bad_rank_lists_are_refused_everywhere(ranks, match):
     raises_all(ValueError, mpidp.add_process_set, ranks, match=match)
 
@@ -259,15 +294,17 @@ def test_duplicate_set_and_global_removal_are_refused():
     _, size = _world()
     ps = run_all(mpidp.add_process_set, [1])
     try:
-        raises_all(ValueError, mpidp.add_process_set, mpidp.ProcessSet([1]),
-                   match="already exists")
+        raises_all(ValueError, mpidp.add_process_set, mpidp.ProcessSet([1]), match="already exists")
         raises_all(ValueError, mpidp.add_process_set, list(range(size)), match="already exists")
-        raises_all(ValueError, mpidp.remove_process_set, mpidp.global_process_set,
-                   match="cannot be removed")
+        raises_all(
+            ValueError,
+            mpidp.remove_process_set,
+            mpidp.global_process_set,
+            match="cannot be removed",
+        )
     finally:
         run_all(mpidp.remove_process_set, ps)
-    raises_all(ValueError, mpidp.allreduce, torch.ones(1), process_set=ps,
-               match="not registered")
+    raises_all(ValueError, mpidp.allreduce, torch.ones(1), process_set=ps, match="not registered")
 
 
 def test_set_from_a_communicator():
@@ -305,8 +342,13 @@ def test_communicator_split_several_ways_gives_one_set_per_part(static):
         ps = run_all(mpidp.add_process_set, ps)
     try:
         out = run_all(mpidp.allreduce, torch.tensor([float(rank)]), op=mpidp.Sum, process_set=ps)
-        ok = (ps.ranks == mine and ps.size() == len(mine) and ps.rank() == mine.index(rank)
-              and out.item() == sum(mine) and len(mpidp.runtime.world.state().sets) == 3)
+        ok = (
+            ps.ranks == mine
+            and ps.size() == len(mine)
+            and ps.rank() == mine.index(rank)
+            and out.item() == sum(mine)
+            and len(mpidp.runtime.world.state().sets) == 3
+        )
         assert_all(ok, (ps, ps.ranks, out, mpidp.runtime.world.state().sets))
     finally:
         if static:
@@ -335,8 +377,13 @@ def test_pending_op_fails_when_its_set_is_removed():
     rank, size = _world()
     ps = run_all(mpidp.add_process_set, [0, 1])
     sid = ps.process_set_id
-    handle = run_all(lambda: mpidp.allreduce_async(torch.ones(1), name="never.matched",
-                                                   process_set=ps) if rank == 1 else None)
+    handle = run_all(
+        lambda: (
+            mpidp.allreduce_async(torch.ones(1), name="never.matched", process_set=ps)
+            if rank == 1
+            else None
+        )
+    )
     # Only once rank 1's op is in flight may the others remove the set (which stops its engine).
     gather(None)
     run_all(mpidp.remove_process_set, ps)
@@ -346,8 +393,10 @@ def test_pending_op_fails_when_its_set_is_removed():
             mpidp.synchronize(handle)
         except mpidp.EngineShutdownError as exc:
             err = str(exc)
-    assert_all(rank != 1 or (err and f"process set {sid} was removed" in err),
-               f"pending op after removal: {err}")
+    assert_all(
+        rank != 1 or (err and f"process set {sid} was removed" in err),
+        f"pending op after removal: {err}",
+    )
 
 
 @pytest.mark.mpi(min_size=3)  # at 2 ranks the set [0, 1] would be the global set
@@ -361,8 +410,7 @@ def test_op_on_a_set_removed_by_another_member_says_so():
     err = None
     if rank == 1:  # rank 0 never submits it: the op can only fail, at submission or pending
         try:
-            mpidp.synchronize(mpidp.allreduce_async(torch.ones(1), name="late",
-                                                    process_set=ps))
+            mpidp.synchronize(mpidp.allreduce_async(torch.ones(1), name="late", process_set=ps))
         except mpidp.EngineShutdownError as exc:
             err = str(exc)
     if rank != 0:
@@ -384,9 +432,16 @@ def test_static_sets_given_to_init():
             sums = []
             for ps in (first, second):
                 if ps.included():
-                    sums.append((mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name="static",
-                                                 process_set=ps).item(), ps.size()))
+                    sums.append(
+                        (
+                            mpidp.allreduce(
+                                torch.ones(1), op=mpidp.Sum, name="static", process_set=ps
+                            ).item(),
+                            ps.size(),
+                        )
+                    )
             return sums
+
         sums = run_all(body)
         assert_all(sums and all(a == b for a, b in sums), sums)
     finally:
@@ -403,13 +458,19 @@ def test_join_with_distributed_optimizer_on_sets(evens_odds, device):
     mine, _ = _mine(*evens_odds)
     longest = max(mine.ranks)
     torch.manual_seed(3)
-    data = [(torch.randn(5, 4, device=device), torch.randn(5, 2, device=device))
-            for _ in range(size)]
+    data = [
+        (torch.randn(5, 4, device=device), torch.randn(5, 2, device=device)) for _ in range(size)
+    ]
     models = [torch.nn.Linear(4, 2).to(device) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [mpidp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                       named_parameters=m.named_parameters(), process_set=mine)
-            for m in models]
+    opts = [
+        mpidp.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=m.named_parameters(),
+            process_set=mine,
+        )
+        for m in models
+    ]
     losses, local = [], []
 
     def train(steps, model, opt, log):
@@ -421,8 +482,9 @@ def test_join_with_distributed_optimizer_on_sets(evens_odds, device):
                 loss.backward()
                 if log:
                     local.append(loss.item())
-                    losses.append(mpidp.allreduce(loss.detach(), name=f"ps.join.loss{i}",
-                                                  op=mpidp.Sum).item())
+                    losses.append(
+                        mpidp.allreduce(loss.detach(), name=f"ps.join.loss{i}", op=mpidp.Sum).item()
+                    )
             opt.step()
 
     train(rank + 1, models[0], opts[0], log=True)
@@ -437,8 +499,10 @@ def test_join_with_distributed_optimizer_on_sets(evens_odds, device):
     sums, mine_each = gather(losses), gather(local)
     want_sums = [sum(v[i] for v in mine_each if len(v) > i) for i in range(size)]
     sums_ok = all(abs(got_i - want_sums[i]) < 1e-5 for s in sums for i, got_i in enumerate(s))
-    assert_all(ok and sums_ok, f"deviation {err} from the reference; loss sums {sums}, "
-                               f"expected {want_sums}")
+    assert_all(
+        ok and sums_ok,
+        f"deviation {err} from the reference; loss sums {sums}, expected {want_sums}",
+    )
     refs = gather([p.cpu().tolist() for p in want])
     assert_all(all(refs[r] == refs[longest] for r in mine.ranks), "reference members differ")
     assert_all(gather(last) == [size - 1] * size, f"join() returned {gather(last)}")

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from mpi_util import assert_all, gather, raises_all, run_all
 
 import mpidp
-from mpi_util import assert_all, gather, raises_all, run_all
 from mpidp import checkpoint
 from mpidp.sharded import buffers
 
@@ -26,8 +26,9 @@ def small_pieces(monkeypatch):
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(),
-                         nn.Linear(6, 3)).double()
+    return nn.Sequential(
+        nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)
+    ).double()
 
 
 def _data(steps, micro=1, seed=1, same=False):
@@ -41,7 +42,7 @@ def _data(steps, micro=1, seed=1, same=False):
             x = torch.randn(SHARD * mpidp.size(), 5, generator=g, dtype=torch.float64)
             y = torch.randint(0, 3, (SHARD * mpidp.size(),), generator=g)
             r = 0 if same else mpidp.rank()
-            batches.append((x[r * SHARD:(r + 1) * SHARD], y[r * SHARD:(r + 1) * SHARD]))
+            batches.append((x[r * SHARD : (r + 1) * SHARD], y[r * SHARD : (r + 1) * SHARD]))
         out.append(batches)
     return out
 
@@ -51,12 +52,16 @@ def _groups(model, kind):
     params = list(model.parameters())
     first, rest = params[:2], params[2:]
     if kind == "sgd_momentum":
-        return torch.optim.SGD([{"params": first, "lr": 0.05},
-                                {"params": rest, "weight_decay": 0.01}], lr=0.1, momentum=0.9)
+        return torch.optim.SGD(
+            [{"params": first, "lr": 0.05}, {"params": rest, "weight_decay": 0.01}],
+            lr=0.1,
+            momentum=0.9,
+        )
     if kind == "adam":
         return torch.optim.Adam([{"params": first}, {"params": rest, "lr": 0.003}], lr=0.01)
-    return torch.optim.AdamW([{"params": first, "weight_decay": 0.0}, {"params": rest}],
-                             lr=0.01, weight_decay=0.1)
+    return torch.optim.AdamW(
+        [{"params": first, "weight_decay": 0.0}, {"params": rest}], lr=0.01, weight_decay=0.1
+    )
 
 
 KINDS = ["adam", "adamw", "sgd_momentum"]
@@ -87,10 +92,12 @@ def _assert_replicas_bitwise(model, what):
 
 def _pair(kind, stage, passes=1):
     model, ref = _model(), _model()
-    opt = mpidp.ShardedOptimizer(_groups(model, kind), model.named_parameters(), stage=stage,
-                                 backward_passes_per_step=passes)
-    ref_opt = mpidp.DistributedOptimizer(_groups(ref, kind), ref.named_parameters(),
-                                         backward_passes_per_step=passes)
+    opt = mpidp.ShardedOptimizer(
+        _groups(model, kind), model.named_parameters(), stage=stage, backward_passes_per_step=passes
+    )
+    ref_opt = mpidp.DistributedOptimizer(
+        _groups(ref, kind), ref.named_parameters(), backward_passes_per_step=passes
+    )
     return model, opt, ref, ref_opt
 
 
@@ -105,8 +112,10 @@ def test_parameters_equal_distributed_optimizer(kind, stage, passes):
     _train(ref, ref_opt, data, passes)
     err = _deviation(model, ref)
     # Two ranks sum in the same order either way; more may associate differently.
-    assert_all(err == 0.0 if mpidp.size() <= 2 else err < 1e-12,
-               f"{kind} stage {stage} passes {passes}: max deviation {err}")
+    assert_all(
+        err == 0.0 if mpidp.size() <= 2 else err < 1e-12,
+        f"{kind} stage {stage} passes {passes}: max deviation {err}",
+    )
     _assert_replicas_bitwise(model, kind)
 
 
@@ -177,8 +186,10 @@ def test_global_norm_clipping_equals_clipping_the_whole_gradient(norm_type):
     for step in data:
         got = _train(model, opt, [step], clip=sharded)
         want = _train(ref, ref_opt, [step], clip=whole)
-        assert_all(abs(got.item() - want.item()) < 1e-9 * max(1.0, want.item()),
-                   f"norm {got.item()} != {want.item()}")
+        assert_all(
+            abs(got.item() - want.item()) < 1e-9 * max(1.0, want.item()),
+            f"norm {got.item()} != {want.item()}",
+        )
     err = _deviation(model, ref)
     assert_all(err < 1e-10, f"max deviation {err}")
     _assert_replicas_bitwise(model, "clipping")
@@ -187,9 +198,10 @@ def test_global_norm_clipping_equals_clipping_the_whole_gradient(norm_type):
 @pytest.mark.mpi
 def test_grad_scaler_skips_the_same_steps_on_every_rank():
     model = _model().float()
-    opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 model.named_parameters(), stage=2)
-    scaler = mpidp.ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+    opt = mpidp.ShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), stage=2
+    )
+    scaler = mpidp.ShardedGradScaler("cpu", init_scale=2.0**10)
     for i, ((x, y),) in enumerate(_data(steps=4)):
         opt.zero_grad()
         loss = F.cross_entropy(model(x.float()), y)
@@ -202,7 +214,7 @@ def test_grad_scaler_skips_the_same_steps_on_every_rank():
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert_all(unchanged == (i == 2), f"step {i}: parameters unchanged={unchanged}")
     scales = gather(scaler.get_scale())
-    assert_all(all(s == scales[0] for s in scales) and scales[0] < 2.0 ** 10, f"{scales}")
+    assert_all(all(s == scales[0] for s in scales) and scales[0] < 2.0**10, f"{scales}")
     _assert_replicas_bitwise(model, "grad scaler")
 
 
@@ -248,8 +260,9 @@ def _resume_at(ranks, full_or_shards, model_state, steps):
     try:
         model = _model(seed=5)
         model.load_state_dict(model_state)
-        opt = mpidp.ShardedOptimizer(_groups(model, "adam"), model.named_parameters(),
-                                     process_set=ps)
+        opt = mpidp.ShardedOptimizer(
+            _groups(model, "adam"), model.named_parameters(), process_set=ps
+        )
         if mpidp.rank() in ranks:
             opt.load_state_dict(full_or_shards)
             for step in _data(steps=steps, seed=9, same=True):
@@ -290,8 +303,9 @@ def test_checkpoint_round_trip_both_forms(shared_dir, sharded_save):
     save = checkpoint.save_sharded if sharded_save else checkpoint.save
     run_all(save, path, model=model, optimizer=opt)
     fresh = _model(seed=3)
-    fresh_opt = mpidp.ShardedOptimizer(_groups(fresh, "sgd_momentum"), fresh.named_parameters(),
-                                       stage=2)
+    fresh_opt = mpidp.ShardedOptimizer(
+        _groups(fresh, "sgd_momentum"), fresh.named_parameters(), stage=2
+    )
     run_all(checkpoint.load, path, model=fresh, optimizer=fresh_opt)
     plain = _groups(_model(seed=4), "sgd_momentum")
     run_all(checkpoint.load, path, optimizer=plain)  # either form into a plain optimizer
@@ -322,17 +336,29 @@ def test_broadcast_optimizer_state_and_parameters_after_wrapping():
 @pytest.mark.mpi
 def test_bad_input_is_refused_clearly():
     model = _model()
-    raises_all(ValueError, mpidp.ShardedOptimizer, torch.optim.SGD(model.parameters(), lr=1),
-               stage=3, match="stage must be 1")
-    raises_all(ValueError, mpidp.ShardedOptimizer, torch.optim.LBFGS(model.parameters()),
-               match="not elementwise")
+    raises_all(
+        ValueError,
+        mpidp.ShardedOptimizer,
+        torch.optim.SGD(model.parameters(), lr=1),
+        stage=3,
+        match="stage must be 1",
+    )
+    raises_all(
+        ValueError,
+        mpidp.ShardedOptimizer,
+        torch.optim.LBFGS(model.parameters()),
+        match="not elementwise",
+    )
     opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     raises_all(ValueError, mpidp.ShardedOptimizer, opt, match="already a")
     _train(model, opt, _data(steps=1))
     raises_all(ValueError, opt.load_state_dict, opt.sharded_state_dict(), match="one rank's")
-    raises_all(ValueError, opt.load_state_dict,
-               {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]},
-               match="parameter groups")
+    raises_all(
+        ValueError,
+        opt.load_state_dict,
+        {"state": {}, "param_groups": [{"params": [0]}, {"params": [1]}]},
+        match="parameter groups",
+    )
     raises_all(ValueError, opt.consolidate_state_dict, to=mpidp.size(), match="not in")
     opt.zero_grad()
     x, y = _data(steps=1)[0][0]
@@ -366,7 +392,7 @@ def _uneven(steps_of, stage, passes=1, kind="adamw", act=None, pair=_pair):
     step, then join(). `act(model, opt, i)`, if given, replaces zero_grad/backward/step.
     Returns (model, reference model on the rank with most steps, join()s' return values)."""
     data = _data(steps=max(steps_of(r) for r in range(mpidp.size())), micro=passes)
-    mine = data[:steps_of(mpidp.rank())]
+    mine = data[: steps_of(mpidp.rank())]
     model, opt, ref, ref_opt = pair(kind, stage, passes)
     lasts = []
     for m, o in ((model, opt), (ref, ref_opt)):
@@ -424,14 +450,16 @@ def test_join_with_the_optimizer_on_a_process_set(stage):
         pytest.skip("needs a process set that is not the whole world: three ranks")
     members = list(range(n - 1))
     data = _data(steps=n)
-    mine = data[:1 + mpidp.rank()]
+    mine = data[: 1 + mpidp.rank()]
     ps = mpidp.add_process_set(members)
     try:
         model, ref = _model(), _model()
-        opt = mpidp.ShardedOptimizer(_groups(model, "adamw"), model.named_parameters(),
-                                     stage=stage, process_set=ps)
-        ref_opt = mpidp.DistributedOptimizer(_groups(ref, "adamw"), ref.named_parameters(),
-                                             process_set=ps)
+        opt = mpidp.ShardedOptimizer(
+            _groups(model, "adamw"), model.named_parameters(), stage=stage, process_set=ps
+        )
+        ref_opt = mpidp.DistributedOptimizer(
+            _groups(ref, "adamw"), ref.named_parameters(), process_set=ps
+        )
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
         for x, y in (step[0] for step in mine):
             opt.zero_grad()
@@ -450,7 +478,7 @@ def test_join_with_the_optimizer_on_a_process_set(stage):
         err = _deviation(model, ref)
         assert_all(err < 1e-12, f"stage {stage}: max deviation {err} from the reference")
         sums = gather([zlib.crc32(p.detach().numpy().tobytes()) for p in model.parameters()])
-        assert_all(all(s == sums[0] for s in sums[:n - 1]), "members' parameters differ")
+        assert_all(all(s == sums[0] for s in sums[: n - 1]), "members' parameters differ")
         assert_all(gather(lasts) == [n - 1] * n, f"join() returned {gather(lasts)}")
     finally:
         mpidp.remove_process_set(ps)
@@ -487,9 +515,12 @@ def test_join_with_grad_scaler_and_a_step_skipped_while_a_rank_is_joined(stage):
 
     def scaled(m, o, i, step):
         sharded = isinstance(o, mpidp.ShardedOptimizer)
-        scaler = scalers.setdefault(sharded, mpidp.ShardedGradScaler("cpu", init_scale=2.0 ** 8)
-                                    if sharded else torch.amp.GradScaler("cpu",
-                                                                         init_scale=2.0 ** 8))
+        scaler = scalers.setdefault(
+            sharded,
+            mpidp.ShardedGradScaler("cpu", init_scale=2.0**8)
+            if sharded
+            else torch.amp.GradScaler("cpu", init_scale=2.0**8),
+        )
         o.zero_grad()
         loss = F.cross_entropy(m(step[0][0].float()), step[0][1])
         if i == 2 and mpidp.rank() == n - 1:
@@ -507,17 +538,25 @@ def test_join_with_grad_scaler_and_a_step_skipped_while_a_rank_is_joined(stage):
 
     def pair(kind, stage, passes):
         model, ref = _model().float(), _model().float()
-        return (model, mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              model.named_parameters(), stage=stage),
-                ref, mpidp.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
-                                                ref.named_parameters()))
+        return (
+            model,
+            mpidp.ShardedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), stage=stage
+            ),
+            ref,
+            mpidp.DistributedOptimizer(
+                torch.optim.SGD(ref.parameters(), lr=0.1), ref.named_parameters()
+            ),
+        )
 
     model, want, _ = _uneven(lambda r: 2 + 2 * r, stage, act=scaled, pair=pair)
     _check_against(model, want, "grad scaler", tol=1e-6)
     # A joined rank's scaler stays as it was (as with DistributedOptimizer): compare per rank.
     scales = gather((scalers[True].get_scale(), scalers[False].get_scale()))
-    assert_all(all(a == b for a, b in scales) and (n == 1 or scales[-1][0] < 2.0 ** 8),
-               f"(sharded, DistributedOptimizer) scales per rank {scales}")
+    assert_all(
+        all(a == b for a, b in scales) and (n == 1 or scales[-1][0] < 2.0**8),
+        f"(sharded, DistributedOptimizer) scales per rank {scales}",
+    )
 
 
 @pytest.mark.mpi
@@ -529,8 +568,10 @@ def test_all_ranks_joining_at_once_take_no_extra_step():
     before = [p.detach().clone() for p in model.parameters()]
     lasts = gather(run_all(mpidp.join))
     steps = {int(s["step"]) for s in opt.state.values()}
-    assert_all(all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
-               "join() moved the parameters")
+    assert_all(
+        all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+        "join() moved the parameters",
+    )
     assert_all(steps == {2}, f"optimizer steps {steps}")
     assert_all(all(x == lasts[0] for x in lasts), f"join() returned {lasts}")
     _check_against(model, list(ref.parameters()), "no extra step")
@@ -546,11 +587,13 @@ def test_a_failed_reduce_scatter_leaves_no_join_round_pending(stage, monkeypatch
     wait raises) settles that step's join flags: left pending, they were collected by the next
     step, every rank a round behind, and rank 0 joining right after waited for an
     announcement nobody made while the others waited for it (a hang)."""
-    from mpidp.runtime import world
     from mpidp.engine.messages import OpType
+    from mpidp.runtime import world
+
     model = _model()
-    opt = mpidp.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 model.named_parameters(), stage=stage)
+    opt = mpidp.ShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), stage=stage
+    )
     data = _data(steps=3)
     _train(model, opt, data[:1])
     real, failed = mpidp.ops.synchronize, []
@@ -562,6 +605,7 @@ def test_a_failed_reduce_scatter_leaves_no_join_round_pending(stage, monkeypatch
             failed.append(handle)
             raise mpidp.CollectiveError("injected reduce-scatter failure")
         return out
+
     opt.zero_grad()
     x, y = data[1][0]
     F.cross_entropy(model(x), y).backward()
@@ -589,10 +633,14 @@ def test_join_refuses_several_sharded_optimizers_and_serves_the_one_left():
     refuses on every rank, naming why, before anything is submitted; once the script drops one,
     join() serves the other."""
     import gc
+
     models = [_model(), _model(seed=1)]
-    opts = [mpidp.ShardedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                   m.named_parameters(prefix=f"m{i}"))
-            for i, m in enumerate(models)]
+    opts = [
+        mpidp.ShardedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(prefix=f"m{i}")
+        )
+        for i, m in enumerate(models)
+    ]
     for m, o in zip(models, opts):
         _train(m, o, _data(steps=1))
     raises_all(mpidp.MpidpError, mpidp.join, match="2 ShardedOptimizers are alive")

@@ -4,21 +4,34 @@ import copy
 
 import pytest
 import torch
+from mpi_util import assert_all, gather, raises_all, rank, run_all, size
 from torch import nn
 
 import mpidp
-from mpi_util import assert_all, gather, raises_all, rank, run_all, size
 from mpidp.training.sync_batch_norm import SyncBatchNorm, _sync_batch_norm
 
 C = 3
 STEPS = 3
 SPATIAL = {2: (), 3: (5,), 4: (3, 4), 5: (2, 3, 2)}
 REFERENCE = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
-CONFIGS = {"default": {}, "affine_false": {"affine": False}, "momentum_none": {"momentum": None},
-           "no_running_stats": {"track_running_stats": False}}
-ASYNC_OPS = ("allreduce_async", "allreduce_async_", "grouped_allreduce_async",
-             "grouped_allreduce_async_", "allgather_async", "grouped_allgather_async",
-             "broadcast_async", "broadcast_async_", "alltoall_async", "reducescatter_async")
+CONFIGS = {
+    "default": {},
+    "affine_false": {"affine": False},
+    "momentum_none": {"momentum": None},
+    "no_running_stats": {"track_running_stats": False},
+}
+ASYNC_OPS = (
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "allgather_async",
+    "grouped_allgather_async",
+    "broadcast_async",
+    "broadcast_async_",
+    "alltoall_async",
+    "reducescatter_async",
+)
 
 
 def unequal_sizes(n):
@@ -30,7 +43,7 @@ def shard(t, sizes, r=None):
     """Rank r's rows of the global batch `t` (this rank's by default)."""
     r = rank() if r is None else r
     start = sum(sizes[:r])
-    return t[start:start + sizes[r]]
+    return t[start : start + sizes[r]]
 
 
 def global_batch(seed, n, spatial, dtype=torch.float64, channels=C):
@@ -91,15 +104,19 @@ def compare_step(ref, sync, sizes, x, w, tol, label):
     out_ref, gx_ref = forward_backward(ref, x, w)
     out, gx = run_all(forward_backward, sync, shard(x, sizes), shard(w, sizes))
     exact = size() == 1  # a world of one is plain BatchNorm, bit for bit
-    problems = [diff(out, shard(out_ref, sizes), "output", tol, exact),
-                diff(gx, shard(gx_ref, sizes), "input grad", tol, exact)]
+    problems = [
+        diff(out, shard(out_ref, sizes), "output", tol, exact),
+        diff(gx, shard(gx_ref, sizes), "input grad", tol, exact),
+    ]
     for pname in ("weight", "bias"):
         p_ref, p = getattr(ref, pname), getattr(sync, pname)
         if p_ref is not None:
             problems.append(diff(summed(p.grad), p_ref.grad, f"{pname} grad", tol))
             p_ref.grad, p.grad = None, None
-    problems += [diff(getattr(sync, b), getattr(ref, b), b, tol)
-                 for b in ("running_mean", "running_var", "num_batches_tracked")]
+    problems += [
+        diff(getattr(sync, b), getattr(ref, b), b, tol)
+        for b in ("running_mean", "running_var", "num_batches_tracked")
+    ]
     problems = [p for p in problems if p]
     assert_all(not problems, f"{label}: " + "; ".join(problems))
     if sync.running_mean is not None:
@@ -124,8 +141,9 @@ def test_matches_batchnorm_float32(ndim, device):
     sizes = unequal_sizes(size())
     ref, sync = make_pair(ndim, seed=7, dtype=torch.float32, device=device)
     for step in range(STEPS):
-        x, w = (t.to(device) for t in global_batch(200 + step, sum(sizes), SPATIAL[ndim],
-                                                   torch.float32))
+        x, w = (
+            t.to(device) for t in global_batch(200 + step, sum(sizes), SPATIAL[ndim], torch.float32)
+        )
         compare_step(ref, sync, sizes, x, w, 1e-5, f"step {step}")
 
 
@@ -163,6 +181,7 @@ def collective_names(monkeypatch):
         def spy(*args, _real=real, **kwargs):
             names.append(kwargs.get("name"))
             return _real(*args, **kwargs)
+
         monkeypatch.setattr(mpidp.ops, op_name, spy)
     return names
 
@@ -180,9 +199,11 @@ def test_eval_mode_matches_batchnorm_without_communication(collective_names):
     x, w = global_batch(510, sum(sizes), SPATIAL[4])
     out, gx = run_all(forward_backward, sync, shard(x, sizes), shard(w, sizes))
     out_ref, gx_ref = forward_backward(ref, x, w)
-    problems = [diff(out, shard(out_ref, sizes), "eval output", 1e-10),
-                diff(gx, shard(gx_ref, sizes), "eval input grad", 1e-10),
-                diff(sync.num_batches_tracked, ref.num_batches_tracked, "num_batches_tracked", 0)]
+    problems = [
+        diff(out, shard(out_ref, sizes), "eval output", 1e-10),
+        diff(gx, shard(gx_ref, sizes), "eval input grad", 1e-10),
+        diff(sync.num_batches_tracked, ref.num_batches_tracked, "num_batches_tracked", 0),
+    ]
     # Without running statistics, eval mode normalises with this rank's own batch (like torch).
     ref_local, sync_local = make_pair(4, seed=5, track_running_stats=False)
     ref_local.eval()
@@ -207,15 +228,18 @@ def test_collectives_per_training_step(collective_names, input_grad):
     out = sync(mine)
     after_forward = list(collective_names)
     (out * shard(w, sizes)).sum().backward()
-    after_backward = collective_names[len(after_forward):]
+    after_backward = collective_names[len(after_forward) :]
     if size() == 1:
         want_forward, want_backward = [], []
     else:
         want_forward = [f"{layer}.stats"]
         want_backward = [f"{layer}.grad"] if input_grad else []
     ok = after_forward == want_forward and after_backward == want_backward
-    assert_all(ok, f"forward {after_forward} (want {want_forward}), backward {after_backward} "
-                   f"(want {want_backward})")
+    assert_all(
+        ok,
+        f"forward {after_forward} (want {want_forward}), backward {after_backward} "
+        f"(want {want_backward})",
+    )
     names = gather(collective_names)
     assert_all(all(v == names[0] for v in names), f"collective names differ: {names}")
 
@@ -226,8 +250,9 @@ def test_collective_path_in_any_world():
     sizes = unequal_sizes(size())
     x, w = global_batch(700, sum(sizes), SPATIAL[4])
     gen = torch.Generator().manual_seed(70)
-    weight, bias, rm_ref, rv_ref = [torch.randn(C, generator=gen, dtype=torch.float64)
-                                    for _ in range(4)]
+    weight, bias, rm_ref, rv_ref = [
+        torch.randn(C, generator=gen, dtype=torch.float64) for _ in range(4)
+    ]
     rv_ref = rv_ref.abs() + 0.5
     rm, rv = rm_ref.clone(), rv_ref.clone()
 
@@ -237,16 +262,25 @@ def test_collective_path_in_any_world():
         (out * up).sum().backward()
         return [out.detach()] + [t.grad for t in leaves]
 
-    ref = grads(lambda i, wt, b: nn.functional.batch_norm(i, rm_ref, rv_ref, wt, b, True, 0.3,
-                                                          1e-5), x, w)
-    got = run_all(grads, lambda i, wt, b: _sync_batch_norm(i, rm, rv, wt, b, 0.3, 1e-5,
-                                                           "test_collective_path_in_any_world"),
-                  shard(x, sizes), shard(w, sizes))
-    problems = [diff(got[0], shard(ref[0], sizes), "output", 1e-10),
-                diff(got[1], shard(ref[1], sizes), "input grad", 1e-10),
-                diff(summed(got[2]), ref[2], "weight grad", 1e-10),
-                diff(summed(got[3]), ref[3], "bias grad", 1e-10),
-                diff(rm, rm_ref, "running_mean", 1e-10), diff(rv, rv_ref, "running_var", 1e-10)]
+    ref = grads(
+        lambda i, wt, b: nn.functional.batch_norm(i, rm_ref, rv_ref, wt, b, True, 0.3, 1e-5), x, w
+    )
+    got = run_all(
+        grads,
+        lambda i, wt, b: _sync_batch_norm(
+            i, rm, rv, wt, b, 0.3, 1e-5, "test_collective_path_in_any_world"
+        ),
+        shard(x, sizes),
+        shard(w, sizes),
+    )
+    problems = [
+        diff(got[0], shard(ref[0], sizes), "output", 1e-10),
+        diff(got[1], shard(ref[1], sizes), "input grad", 1e-10),
+        diff(summed(got[2]), ref[2], "weight grad", 1e-10),
+        diff(summed(got[3]), ref[3], "bias grad", 1e-10),
+        diff(rm, rm_ref, "running_mean", 1e-10),
+        diff(rv, rv_ref, "running_var", 1e-10),
+    ]
     problems = [p for p in problems if p]
     assert_all(not problems, "; ".join(problems))
 
@@ -270,10 +304,12 @@ def test_joined_rank_counts_as_an_empty_batch():
             continue
         out, gx = forward_backward(sync, shard(x, sizes), shard(w, sizes))
         start = sum(sizes[k] for k in active if k < r)
-        problems += [diff(out, out_ref[start:start + sizes[r]], f"step {step} output", 1e-10),
-                     diff(gx, gx_ref[start:start + sizes[r]], f"step {step} input grad", 1e-10),
-                     diff(sync.running_mean, ref.running_mean, f"step {step} running_mean", 1e-10),
-                     diff(sync.running_var, ref.running_var, f"step {step} running_var", 1e-10)]
+        problems += [
+            diff(out, out_ref[start : start + sizes[r]], f"step {step} output", 1e-10),
+            diff(gx, gx_ref[start : start + sizes[r]], f"step {step} input grad", 1e-10),
+            diff(sync.running_mean, ref.running_mean, f"step {step} running_mean", 1e-10),
+            diff(sync.running_var, ref.running_var, f"step {step} running_var", 1e-10),
+        ]
     lasts = gather(mpidp.join())  # the last to join is one of the ranks that ran every step
     if len(set(lasts)) != 1 or not (lasts[0] < n - 1 or n == 1):
         problems.append(f"join() returned {lasts}")
@@ -288,15 +324,18 @@ def test_layer_used_twice_per_step():
 
     def twice(bn):
         return lambda t: bn(t) + 2 * bn(t * t)
+
     for step in range(STEPS):
         x, w = global_batch(900 + step, sum(sizes), ())
         out_ref, gx_ref = forward_backward(twice(ref), x, w)
         out, gx = run_all(forward_backward, twice(sync), shard(x, sizes), shard(w, sizes))
-        problems = [diff(out, shard(out_ref, sizes), "output", 1e-10),
-                    diff(gx, shard(gx_ref, sizes), "input grad", 1e-10),
-                    diff(summed(sync.weight.grad), ref.weight.grad, "weight grad", 1e-10),
-                    diff(sync.running_var, ref.running_var, "running_var", 1e-10),
-                    diff(sync.num_batches_tracked, ref.num_batches_tracked, "batches", 0)]
+        problems = [
+            diff(out, shard(out_ref, sizes), "output", 1e-10),
+            diff(gx, shard(gx_ref, sizes), "input grad", 1e-10),
+            diff(summed(sync.weight.grad), ref.weight.grad, "weight grad", 1e-10),
+            diff(sync.running_var, ref.running_var, "running_var", 1e-10),
+            diff(sync.num_batches_tracked, ref.num_batches_tracked, "batches", 0),
+        ]
         sync.weight.grad = sync.bias.grad = ref.weight.grad = ref.bias.grad = None
         problems = [p for p in problems if p]
         assert_all(not problems, f"step {step}: " + "; ".join(problems))
@@ -307,10 +346,15 @@ def small_model():
     state: trained running stats, a frozen BN weight, a BN left in eval mode."""
     torch.manual_seed(10)
     model = nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
         nn.Linear(4 * 3 * 3, 5),
         nn.Sequential(nn.BatchNorm1d(5, momentum=None), nn.Tanh()),
-        nn.Linear(5, 4), nn.BatchNorm1d(4, affine=False)).double()
+        nn.Linear(5, 4),
+        nn.BatchNorm1d(4, affine=False),
+    ).double()
     with torch.no_grad():
         model(torch.randn(6, 2, 3, 3, dtype=torch.float64))  # move running stats off 0 and 1
     model[1].weight.requires_grad_(False)
@@ -351,12 +395,15 @@ def test_converted_model_trains_like_one_process():
     lr = 0.05
     for step in range(STEPS):
         x, _ = global_batch(1000 + step, sum(sizes), (3, 3), channels=2)
-        w = torch.randn(sum(sizes), 4, generator=torch.Generator().manual_seed(step),
-                        dtype=torch.float64)
+        w = torch.randn(
+            sum(sizes), 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64
+        )
         out_ref, gx_ref = forward_backward(ref, x, w)
         out, gx = run_all(forward_backward, sync, shard(x, sizes), shard(w, sizes))
-        problems = [diff(out, shard(out_ref, sizes), "output", 1e-10),
-                    diff(gx, shard(gx_ref, sizes), "input grad", 1e-10)]
+        problems = [
+            diff(out, shard(out_ref, sizes), "output", 1e-10),
+            diff(gx, shard(gx_ref, sizes), "input grad", 1e-10),
+        ]
         with torch.no_grad():
             for (name, p_ref), p in zip(ref.named_parameters(), sync.parameters()):
                 if p_ref.requires_grad:

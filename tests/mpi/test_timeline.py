@@ -7,11 +7,11 @@ import tempfile
 
 import pytest
 import torch
+from mpi_util import assert_all, raises_all, run_all
 
 import mpidp
-from mpidp.runtime import observe, world
 from mpidp.engine import timeline as tlm
-from mpi_util import assert_all, raises_all, run_all
+from mpidp.runtime import observe, world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 def shared_dir():
     """A directory every rank names the same (rank 0 makes it; all ranks run on this host)."""
     from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     path = comm.bcast(tempfile.mkdtemp(prefix="mpidp-tl-") if comm.rank == 0 else None, 0)
     yield path
@@ -31,8 +32,9 @@ def shared_dir():
 def _ops(tag):
     size = mpidp.size()
     for _ in range(2):  # the second time through, cacheable ops take the fast path
-        handles = [mpidp.allreduce_async_(torch.ones(16 * (i + 1)), name=f"{tag}.ar{i}")
-                   for i in range(3)]
+        handles = [
+            mpidp.allreduce_async_(torch.ones(16 * (i + 1)), name=f"{tag}.ar{i}") for i in range(3)
+        ]
         for h in handles:
             mpidp.synchronize(h)
         mpidp.allgather(torch.ones(mpidp.rank() + 1, 2), name=f"{tag}.ag")
@@ -40,13 +42,17 @@ def _ops(tag):
         mpidp.alltoall(torch.ones(size, 2), name=f"{tag}.a2a")
         mpidp.reducescatter(torch.ones(size * 2), name=f"{tag}.rs")
     mpidp.allreduce(torch.ones(1 << 18), name=f"{tag}.big")  # not fused
-    return [f"{tag}.ar{i}" for i in range(3)] + [f"{tag}.{s}" for s in
-                                                  ("ag", "bc", "a2a", "rs", "big")]
+    return [f"{tag}.ar{i}" for i in range(3)] + [
+        f"{tag}.{s}" for s in ("ag", "bc", "a2a", "rs", "big")
+    ]
 
 
 def _rows(events):
-    return {ev["args"]["name"]: ev["tid"] for ev in events
-            if ev["ph"] == "M" and ev["name"] == "thread_name"}
+    return {
+        ev["args"]["name"]: ev["tid"]
+        for ev in events
+        if ev["ph"] == "M" and ev["name"] == "thread_name"
+    }
 
 
 def _check_content(path, names, mark_cycles):
@@ -67,8 +73,9 @@ def _check_content(path, names, mark_cycles):
         spans = [ev for ev in mine if ev["ph"] == "X"]
         kinds = [ev["name"] for ev in spans]
         op = name.rsplit(".", 1)[1]
-        op = {"ag": "allgather", "bc": "broadcast", "a2a": "alltoall",
-              "rs": "reducescatter"}.get(op, "allreduce")
+        op = {"ag": "allgather", "bc": "broadcast", "a2a": "alltoall", "rs": "reducescatter"}.get(
+            op, "allreduce"
+        )
         for needed in ("queue", "negotiate", op):
             if needed not in kinds:
                 problems.append(f"{name}: no {needed!r} span in {kinds}")
@@ -80,8 +87,9 @@ def _check_content(path, names, mark_cycles):
             problems.append(f"{name}: first negotiation {paths[:1]}")
         arrivals = sorted(ev["args"]["rank"] for ev in mine if ev["name"] == "arrive")
         if arrivals[:size] != list(range(size)):
-            problems.append(f"{name}: arrivals {arrivals}, wanted every rank once per "
-                            f"coordinator negotiation")
+            problems.append(
+                f"{name}: arrivals {arrivals}, wanted every rank once per coordinator negotiation"
+            )
         if not name.endswith(".big") and "cache" not in paths:
             problems.append(f"{name}: never negotiated by the cache: {paths}")
         for ev in spans:
@@ -138,16 +146,20 @@ def test_data_path_phases_nest_in_the_collective(shared_dir):
         tlm.validate(events)  # nesting included
         rows = _rows(events)
         for i in range(4):
-            kinds = [ev["name"] for ev in events if ev.get("tid") == rows[f"tl.ph{i}"]
-                     and ev["ph"] == "X"]
+            kinds = [
+                ev["name"]
+                for ev in events
+                if ev.get("tid") == rows[f"tl.ph{i}"] and ev["ph"] == "X"
+            ]
             # A fused batch packs first; a tensor reduced on its own goes to MPI in place.
-            tail = kinds[kinds.index("allreduce"):] if "allreduce" in kinds else kinds
-            if tail not in (["allreduce", "pack", "mpi", "unpack"],
-                            ["allreduce", "mpi", "unpack"]):
+            tail = kinds[kinds.index("allreduce") :] if "allreduce" in kinds else kinds
+            if tail not in (["allreduce", "pack", "mpi", "unpack"], ["allreduce", "mpi", "unpack"]):
                 problems += f"tl.ph{i}: {kinds}; "
     assert_all(not problems, problems)
-    assert_all(getattr(backend, "timeline_mark", "unset") is None or mpidp.rank() != 0,
-               "the hook stays set after the timeline stopped")
+    assert_all(
+        getattr(backend, "timeline_mark", "unset") is None or mpidp.rank() != 0,
+        "the hook stays set after the timeline stopped",
+    )
 
 
 def test_bad_arguments_raise_on_every_rank():
@@ -162,6 +174,7 @@ def test_unwritable_path_raises_on_rank_zero_only():
         except OSError:
             return "raised"
         return "ok"
+
     got = run_all(start)
     assert_all(got == ("raised" if mpidp.rank() == 0 else "ok"), got)
     assert_all(world.state().engine.timeline is None, "a timeline was attached")

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from devices import DEVICE_PARAMS, use_device
+from mpi_util import assert_all, raises_all, rank, size, tensor_diff
 
 import mpidp
 import mpidp.distributed
-from devices import DEVICE_PARAMS, use_device
-from mpi_util import assert_all, raises_all, rank, size, tensor_diff
 
 R = dist.ReduceOp
 
@@ -26,8 +26,9 @@ def process_group():
 
 
 def check(pairs):
-    problems = [f"{what}: {d}" for what, actual, expected in pairs
-                if (d := tensor_diff(actual, expected))]
+    problems = [
+        f"{what}: {d}" for what, actual, expected in pairs if (d := tensor_diff(actual, expected))
+    ]
     assert_all(not problems, "; ".join(problems))
 
 
@@ -48,20 +49,33 @@ def _at(r, dtype, shift):
 
 
 def test_the_group_comes_from_mpi():
-    assert_all(dist.get_rank() == mpidp.rank() and dist.get_world_size() == mpidp.size(),
-               f"{dist.get_rank()}/{dist.get_world_size()} vs {mpidp.rank()}/{mpidp.size()}")
+    assert_all(
+        dist.get_rank() == mpidp.rank() and dist.get_world_size() == mpidp.size(),
+        f"{dist.get_rank()}/{dist.get_world_size()} vs {mpidp.rank()}/{mpidp.size()}",
+    )
     assert_all(dist.is_mpi_available() and dist.get_backend() == "mpi", dist.get_backend())
     assert_all(isinstance(c10d._get_default_group(), mpidp.distributed.ProcessGroupMpidp))
 
 
 REDUCTIONS = [
-    (R.SUM, [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-             torch.int64, torch.int8, torch.uint8, torch.int16], lambda xs: sum(xs)),
+    (
+        R.SUM,
+        [
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int32,
+            torch.int64,
+            torch.int8,
+            torch.uint8,
+            torch.int16,
+        ],
+        lambda xs: sum(xs),
+    ),
     (R.AVG, [torch.float32, torch.float64], lambda xs: sum(xs) / len(xs)),
-    (R.MIN, [torch.float32, torch.int64, torch.bfloat16],
-     lambda xs: torch.stack(xs).min(0).values),
-    (R.MAX, [torch.float32, torch.int32, torch.float16],
-     lambda xs: torch.stack(xs).max(0).values),
+    (R.MIN, [torch.float32, torch.int64, torch.bfloat16], lambda xs: torch.stack(xs).min(0).values),
+    (R.MAX, [torch.float32, torch.int32, torch.float16], lambda xs: torch.stack(xs).max(0).values),
     (R.PRODUCT, [torch.float64, torch.int64], lambda xs: torch.stack(xs).prod(0)),
     (R.BAND, [torch.int64, torch.uint8, torch.bool], lambda xs: _fold(xs, torch.bitwise_and)),
     (R.BOR, [torch.int32, torch.bool], lambda xs: _fold(xs, torch.bitwise_or)),
@@ -76,8 +90,9 @@ def _fold(xs, fn):
     return out
 
 
-@pytest.mark.parametrize("op,dtypes,expect", REDUCTIONS, ids=[str(r[0]).split(".")[-1]
-                                                                for r in REDUCTIONS])
+@pytest.mark.parametrize(
+    "op,dtypes,expect", REDUCTIONS, ids=[str(r[0]).split(".")[-1] for r in REDUCTIONS]
+)
 def test_all_reduce_every_op(op, dtypes, expect):
     pairs = []
     for dtype in dtypes:
@@ -88,8 +103,12 @@ def test_all_reduce_every_op(op, dtypes, expect):
                 got = work.get_future().wait()
                 pairs.append((f"{dtype} future", got[0], t))
                 work.wait()
-            want = expect([x.double() if dtype.is_floating_point and dtype.itemsize == 2
-                           else x for x in every(dtype)]).to(dtype)
+            want = expect(
+                [
+                    x.double() if dtype.is_floating_point and dtype.itemsize == 2 else x
+                    for x in every(dtype)
+                ]
+            ).to(dtype)
             pairs.append((f"{op} {dtype} async={async_op}", t, want))
     check(pairs)
 
@@ -104,8 +123,14 @@ def test_premul_sum_complex_and_strided():
     strided.copy_(values(torch.float32))
     dist.all_reduce(strided)
     total = sum(every(torch.float32))
-    check([("premul", t, 0.5 * total), ("complex", c, torch.complex(total, -total)),
-           ("strided", strided, total), ("strided's gaps", wide[:, 1::2], torch.zeros(2, 3))])
+    check(
+        [
+            ("premul", t, 0.5 * total),
+            ("complex", c, torch.complex(total, -total)),
+            ("strided", strided, total),
+            ("strided's gaps", wide[:, 1::2], torch.zeros(2, 3)),
+        ]
+    )
 
 
 def test_bad_reductions_raise_everywhere_and_the_next_call_works():
@@ -115,8 +140,11 @@ def test_bad_reductions_raise_everywhere_and_the_next_call_works():
     check([("after the errors", t, torch.full((2,), float(size())))])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.complex64, torch.uint16,
-                                   torch.bool, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.int64, torch.complex64, torch.uint16, torch.bool, torch.bfloat16],
+    ids=str,
+)
 def test_broadcast_from_every_root(dtype):
     pairs = []
     for root in range(size()):
@@ -133,14 +161,16 @@ def test_gathers_and_scatters():
     into = torch.empty(2 * n, 3, dtype=torch.complex64)
     dist.all_gather_into_tensor(into, values(torch.float32).to(torch.complex64))
     pairs = [(f"all_gather {i}", o, _at(i, torch.float32, 0)) for i, o in enumerate(outs)]
-    pairs.append(("all_gather_into_tensor", into,
-                  torch.cat(every(torch.float32)).to(torch.complex64)))
+    pairs.append(
+        ("all_gather_into_tensor", into, torch.cat(every(torch.float32)).to(torch.complex64))
+    )
     # In place, as FSDP2 does: the input is this rank's block of the output.
     buf = torch.zeros(n, 4)
     buf[r] = r + 1.0
     dist.all_gather_into_tensor(buf, buf[r])
-    pairs.append(("in place", buf, (torch.arange(n, dtype=torch.float32) + 1)[:, None]
-                  .expand(n, 4)))
+    pairs.append(
+        ("in place", buf, (torch.arange(n, dtype=torch.float32) + 1)[:, None].expand(n, 4))
+    )
     rs = torch.empty(3)
     dist.reduce_scatter(rs, [torch.full((3,), float(i + r)) for i in range(n)])
     pairs.append(("reduce_scatter", rs, torch.full((3,), float(sum(r + j for j in range(n))))))
@@ -157,8 +187,11 @@ def test_gathers_and_scatters():
         if r == dst:
             pairs += [(f"gather {i}", g, _at(i, torch.float32, 0)) for i, g in enumerate(got)]
         mine = torch.empty(2)
-        dist.scatter(mine, [torch.full((2,), 10.0 * i + dst) for i in range(n)]
-                     if r == dst else None, src=dst)
+        dist.scatter(
+            mine,
+            [torch.full((2,), 10.0 * i + dst) for i in range(n)] if r == dst else None,
+            src=dst,
+        )
         pairs.append((f"scatter from {dst}", mine, torch.full((2,), 10.0 * r + dst)))
     check(pairs)
 
@@ -172,14 +205,17 @@ def test_all_to_all_even_and_uneven():
     # Rank r sends j+1 rows to rank j; so it receives r+1 rows from everyone.
     send = torch.cat([torch.full((j + 1, 2), float(100 * r + j)) for j in range(n)])
     recv = torch.empty((r + 1) * n, 2)
-    dist.all_to_all_single(recv, send, output_split_sizes=[r + 1] * n,
-                           input_split_sizes=[j + 1 for j in range(n)])
-    pairs.append(("uneven", recv, torch.cat([torch.full((r + 1, 2), float(100 * i + r))
-                                             for i in range(n)])))
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=[r + 1] * n, input_split_sizes=[j + 1 for j in range(n)]
+    )
+    pairs.append(
+        ("uneven", recv, torch.cat([torch.full((r + 1, 2), float(100 * i + r)) for i in range(n)]))
+    )
     outs = [torch.empty(i + 1) for i in range(n)]
     dist.all_to_all(outs, [torch.full((r + 1,), float(r * n + j)) for j in range(n)])
-    pairs += [(f"all_to_all {i}", o, torch.full((i + 1,), float(i * n + r)))
-              for i, o in enumerate(outs)]
+    pairs += [
+        (f"all_to_all {i}", o, torch.full((i + 1,), float(i * n + r))) for i, o in enumerate(outs)
+    ]
     check(pairs)
 
 
@@ -196,18 +232,30 @@ def test_objects_barrier_and_coalesced():
     dist.all_reduce_coalesced(ts)
     assert_all(objs == [{"rank": i, "text": "x" * i} for i in range(n)], objs)
     assert_all(got == [("from", 0)], got)
-    check([("coalesced f", ts[0], sum(every(torch.float32))),
-           ("coalesced 2", ts[1], sum(x[0] for x in every(torch.float32, 1)))])
+    check(
+        [
+            ("coalesced f", ts[0], sum(every(torch.float32))),
+            ("coalesced 2", ts[1], sum(x[0] for x in every(torch.float32, 1))),
+        ]
+    )
 
 
 def test_functional_collectives():
     import torch.distributed._functional_collectives as funcol
+
     n = size()
     reduced = funcol.all_reduce(values(torch.float32), "sum", dist.group.WORLD)
     gathered = funcol.all_gather_tensor(values(torch.float32), 0, dist.group.WORLD)
-    check([("funcol all_reduce", reduced.wait() if hasattr(reduced, "wait") else reduced,
-            sum(every(torch.float32))),
-           ("funcol all_gather", gathered, torch.cat(every(torch.float32)))])
+    check(
+        [
+            (
+                "funcol all_reduce",
+                reduced.wait() if hasattr(reduced, "wait") else reduced,
+                sum(every(torch.float32)),
+            ),
+            ("funcol all_gather", gathered, torch.cat(every(torch.float32))),
+        ]
+    )
     assert_all(gathered.shape[0] == 2 * n)
 
 
@@ -217,8 +265,10 @@ def test_point_to_point_ring():
         return
     right, left = (r + 1) % n, (r - 1) % n
     got = torch.empty(3)
-    ops = [dist.P2POp(dist.isend, torch.full((3,), float(r)), right),
-           dist.P2POp(dist.irecv, got, left)]
+    ops = [
+        dist.P2POp(dist.isend, torch.full((3,), float(r)), right),
+        dist.P2POp(dist.irecv, got, left),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     # Blocking send/recv, and a receive from any source.
@@ -261,13 +311,18 @@ def test_subgroups_on_members_only():
 def test_device_mesh_and_dtensor():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     n = size()
     mesh = init_device_mesh("cpu", (n,))
     full = torch.arange(4.0 * n).reshape(2 * n, 2)
     sharded = distribute_tensor(full, mesh, [Shard(0)])
     back = sharded.redistribute(mesh, [Replicate()]).to_local()
-    check([("redistribute", back, full),
-           ("local shard", sharded.to_local(), full.reshape(n, 2, 2)[rank()])])
+    check(
+        [
+            ("redistribute", back, full),
+            ("local shard", sharded.to_local(), full.reshape(n, 2, 2)[rank()]),
+        ]
+    )
     if n == 4:
         mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         t = torch.ones(1)
@@ -293,6 +348,7 @@ DDP_CASES = {
 @pytest.mark.parametrize("case", list(DDP_CASES))
 def test_ddp_trains_as_one_process_on_the_whole_batch(case):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     opts = dict(DDP_CASES[case])
     hook, no_sync = opts.pop("hook", None), opts.pop("no_sync", False)
     n, r = size(), rank()
@@ -322,8 +378,9 @@ def test_ddp_trains_as_one_process_on_the_whole_batch(case):
         ref_opt.step()
         ref_opt.zero_grad()
     tol = 2e-3 if hook else 1e-5
-    worst = max((a - b).abs().max().item() for a, b in zip(ddp.module.parameters(),
-                                                            ref.parameters()))
+    worst = max(
+        (a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), ref.parameters())
+    )
     assert_all(worst <= tol, f"{case}: parameters differ from one process by {worst:.2e}")
 
 
@@ -346,8 +403,9 @@ def test_ranks_that_call_differently_get_a_mismatch_error_and_go_on(blocking):
 
     def differing_collectives():
         t = torch.ones(2)
-        work = (dist.all_reduce(t, async_op=True) if r == 0
-                else dist.broadcast(t, src=0, async_op=True))
+        work = (
+            dist.all_reduce(t, async_op=True) if r == 0 else dist.broadcast(t, src=0, async_op=True)
+        )
         work.wait()
 
     raises_all(mpidp.MismatchError, differing_collectives, match="broadcast")
@@ -355,8 +413,12 @@ def test_ranks_that_call_differently_get_a_mismatch_error_and_go_on(blocking):
     dist.all_reduce(t)
     u = torch.ones(4)
     dist.all_reduce(u)
-    check([("after the mismatches", t, torch.full((3,), float(size()))),
-           ("and again", u, torch.full((4,), float(size())))])
+    check(
+        [
+            ("after the mismatches", t, torch.full((3,), float(size()))),
+            ("and again", u, torch.full((4,), float(size()))),
+        ]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICE_PARAMS)
@@ -379,22 +441,29 @@ def test_collectives_on_the_device(device):
     dist.all_to_all_single(a2a, (torch.arange(n) + 10 * r).to(dev))
     ring = torch.empty(2, device=dev)
     if n > 1:
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((2,), float(r),
-                                                                          device=dev),
-                                                   (r + 1) % n),
-                                        dist.P2POp(dist.irecv, ring, (r - 1) % n)])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, torch.full((2,), float(r), device=dev), (r + 1) % n),
+                dist.P2POp(dist.irecv, ring, (r - 1) % n),
+            ]
+        )
         for work in works:
             work.wait()
     else:
         ring.fill_(0.0)
     results = [t, got_max, b, into, rs, a2a, ring]
-    assert_all(all(x.device == dev for x in results),
-               f"results on {[str(x.device) for x in results]}, not {dev}")
-    check([("all_reduce", t.cpu(), sum(every(torch.float32))),
-           ("max bf16", got_max.cpu(), torch.stack(every(torch.bfloat16)).max(0).values),
-           ("broadcast", b.cpu(), _at(n - 1, torch.int64, 0)),
-           ("all_gather", into.cpu(), torch.cat(every(torch.float32))),
-           ("reduce_scatter", rs.cpu(), n * torch.arange(4.0 * n).reshape(n, 2, 2)[r]),
-           ("all_to_all", a2a.cpu(), torch.tensor([10 * i + r for i in range(n)])),
-           ("ring", ring.cpu(), torch.full((2,), float((r - 1) % n)) if n > 1
-            else torch.zeros(2))])
+    assert_all(
+        all(x.device == dev for x in results),
+        f"results on {[str(x.device) for x in results]}, not {dev}",
+    )
+    check(
+        [
+            ("all_reduce", t.cpu(), sum(every(torch.float32))),
+            ("max bf16", got_max.cpu(), torch.stack(every(torch.bfloat16)).max(0).values),
+            ("broadcast", b.cpu(), _at(n - 1, torch.int64, 0)),
+            ("all_gather", into.cpu(), torch.cat(every(torch.float32))),
+            ("reduce_scatter", rs.cpu(), n * torch.arange(4.0 * n).reshape(n, 2, 2)[r]),
+            ("all_to_all", a2a.cpu(), torch.tensor([10 * i + r for i in range(n)])),
+            ("ring", ring.cpu(), torch.full((2,), float((r - 1) % n)) if n > 1 else torch.zeros(2)),
+        ]
+    )

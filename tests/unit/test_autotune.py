@@ -69,20 +69,20 @@ def test_nothing_to_tune_is_done_at_once():
 def test_rematch_keeps_the_start_when_the_winner_was_a_lucky_moment():
     tuner = autotune.Tuner({"a": 1}, {"a": [1, 2, 3]}, warmup=0, samples=1, confirm=2)
     assert tuner.record(10.0) == {"a": 2}
-    assert tuner.record(50.0) == {"a": 3}   # a quiet moment makes a=2 look 5x better
-    assert tuner.record(9.0) == {"a": 2}    # search over: rematch a=2 against a=1 in turns
+    assert tuner.record(50.0) == {"a": 3}  # a quiet moment makes a=2 look 5x better
+    assert tuner.record(9.0) == {"a": 2}  # search over: rematch a=2 against a=1 in turns
     assert not tuner.done and tuner.confirming
     assert tuner.record(10.0) == {"a": 1}
     assert tuner.record(11.0) == {"a": 2}
     assert tuner.record(9.5) == {"a": 1}
-    assert tuner.record(10.5) is None and tuner.done   # already there: no switch needed
+    assert tuner.record(10.5) is None and tuner.done  # already there: no switch needed
     assert tuner.current == {"a": 1} and tuner.best == {"a": 1}
     assert tuner.rematch == {(2,): [10.0, 9.5], (1,): [11.0, 10.5]}
 
 
 def test_rematch_confirms_a_real_improvement_starting_on_the_winner():
     tuner = autotune.Tuner({"a": 1}, {"a": [1, 2]}, warmup=1, samples=1, confirm=2)
-    tuner.record(0.0)                            # warm-up
+    tuner.record(0.0)  # warm-up
     assert tuner.record(10.0) == {"a": 2}
     tuner.record(0.0)
     # a=2 wins and is the current point: the rematch begins there, with no switch.
@@ -120,14 +120,20 @@ def _fake_clock(monkeypatch):
 def test_sampler_scores_bytes_per_second_and_logs_csv(tmp_path, monkeypatch):
     clock = _fake_clock(monkeypatch)
     log = tmp_path / "tune.csv"
-    cfg = config.load({}, autotune_log=str(log), autotune_warmup_samples=0,
-                      autotune_samples_per_point=1, autotune_sample_s=1.0,
-                      fuse_below_bytes=65536, cycle_time_ms=0)
+    cfg = config.load(
+        {},
+        autotune_log=str(log),
+        autotune_warmup_samples=0,
+        autotune_samples_per_point=1,
+        autotune_sample_s=1.0,
+        fuse_below_bytes=65536,
+        cycle_time_ms=0,
+    )
     start = {"fusion_threshold_bytes": cfg.fusion_threshold_bytes}
     sampler = autotune.Sampler(cfg, start)
-    assert sampler.poll(0, busy=False) is None         # idle: no sample starts
+    assert sampler.poll(0, busy=False) is None  # idle: no sample starts
     total = 0
-    assert sampler.poll(total, busy=True) is None      # traffic: the sample starts now
+    assert sampler.poll(total, busy=True) is None  # traffic: the sample starts now
     # Each point moves more bytes per second the larger its threshold, up to 16 MiB.
     switches = []
     for _ in range(50):
@@ -152,11 +158,17 @@ def test_sampler_scores_bytes_per_second_and_logs_csv(tmp_path, monkeypatch):
 
 def test_sampler_ignores_windows_without_traffic(monkeypatch):
     clock = _fake_clock(monkeypatch)
-    cfg = config.load({}, autotune_warmup_samples=0, autotune_samples_per_point=1,
-                      autotune_sample_s=1.0)
-    sampler = autotune.Sampler(cfg, {"fusion_threshold_bytes": cfg.fusion_threshold_bytes,
-                                     "fuse_below_bytes": cfg.fuse_below_bytes,
-                                     "cycle_time_ms": cfg.cycle_time_ms})
+    cfg = config.load(
+        {}, autotune_warmup_samples=0, autotune_samples_per_point=1, autotune_sample_s=1.0
+    )
+    sampler = autotune.Sampler(
+        cfg,
+        {
+            "fusion_threshold_bytes": cfg.fusion_threshold_bytes,
+            "fuse_below_bytes": cfg.fuse_below_bytes,
+            "cycle_time_ms": cfg.cycle_time_ms,
+        },
+    )
     sampler.poll(0, busy=True)
     clock.now += 5.0
     assert sampler.poll(0, busy=False) is None

@@ -8,9 +8,9 @@ from mpidp.engine import mpi, mpi_library
 from mpidp.engine.backends import Dispatch, available, make_backend
 from mpidp.engine.backends.cuda import StagedBackend, StreamOrdered, cuda_aware_mpi
 from mpidp.engine.backends.host import uneven_counts
-from mpidp.engine.scaling import scale_after
 from mpidp.engine.backends.torchdist import _pg_op, _rows_as_bytes
 from mpidp.engine.messages import OpType, ReduceOp, Request, Response
+from mpidp.engine.scaling import scale_after
 from mpidp.engine.tensor_queue import Entry
 from mpidp.errors import ConfigError, MpidpError
 
@@ -18,8 +18,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _batch(op, tensor, device="cpu", output=None, extra=None, name="t", **kw):
-    req = Request(name, op, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape), device,
-                  **kw)
+    req = Request(
+        name, op, str(tensor.dtype).replace("torch.", ""), tuple(tensor.shape), device, **kw
+    )
     output = tensor if output is None else output
     if op == OpType.ALLREDUCE:  # an allreduce carries lists of parts
         entry = Entry(req, [tensor], [output], extra)
@@ -88,7 +89,7 @@ def test_staged_twin_runs_the_inner_backend_on_host_copies():
     out = torch.zeros(4)
     batch, entries = _batch(OpType.ALLREDUCE, t, output=out)
     got = staged.execute(batch, entries)
-    (seen_batch, seen_entries), = inner.seen
+    ((seen_batch, seen_entries),) = inner.seen
     assert seen_batch[0].request.device == "cpu"
     assert seen_entries[0].tensor[0] is not t and seen_entries[0].output[0] is not out
     assert got[0] == [out] and torch.equal(out, t * 2)
@@ -144,6 +145,7 @@ def test_nccl_without_a_gpu_is_a_config_error():
 
 def test_simulated_node_larger_than_the_world_is_a_config_error():
     from mpi4py import MPI
+
     with pytest.raises(ConfigError, match="MPIDP_SIMULATED_LOCAL_SIZE"):
         mpi.Comms(MPI.COMM_SELF, simulated_local_size=MPI.COMM_WORLD.Get_size() + 1)
 
@@ -164,15 +166,15 @@ def test_scale_after_matches_the_documented_rules():
     scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE), 2)
     assert torch.equal(ints, torch.tensor([3, -3, -1]))  # truncated toward zero, as Horovod
     ints = torch.tensor([7, -7], dtype=torch.int32)  # postscale 3 / 2 ranks: 10.5 -> 10
-    scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE,
-                              postscale=3.0), 2)
+    scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE, postscale=3.0), 2)
     assert torch.equal(ints, torch.tensor([10, -10], dtype=torch.int32))
     ints = torch.tensor([5], dtype=torch.uint8)
     scale_after(ints, Request("i", OpType.ALLREDUCE, reduce_op=ReduceOp.SUM, postscale=0.5), 4)
     assert ints.item() == 2
     floats = torch.tensor([6.0])
-    scale_after(floats, Request("f", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE,
-                                postscale=2.0), 3)
+    scale_after(
+        floats, Request("f", OpType.ALLREDUCE, reduce_op=ReduceOp.AVERAGE, postscale=2.0), 3
+    )
     assert floats.item() == 4.0
 
 
@@ -195,7 +197,7 @@ def test_rows_as_bytes_shares_memory():
 
 def test_local_device_is_this_ranks_tensor_device():
     from mpidp.engine.backends.parts import local_device
+
     batch, entries = _batch(OpType.ALLREDUCE, torch.ones(1), device="cuda:3")
     assert local_device(batch, entries) == torch.device("cpu")  # the tensor's, not the name's
-    assert local_device(*_batch(OpType.ALLREDUCE, torch.ones(1))[:1], [None]) == \
-        torch.device("cpu")
+    assert local_device(*_batch(OpType.ALLREDUCE, torch.ones(1))[:1], [None]) == torch.device("cpu")

@@ -14,8 +14,9 @@ logged = test_stall.warnings_  # the fixture, here named `logged`: what mpidp lo
 def _watch(warning_s=2.0, shutdown_s=10.0):
     stats = types.SimpleNamespace(collective=(0.0, 0.0), negotiate=(0.0, 0.0))
     aborted = []
-    watch = CallWatch(stats, 0, [2, 3], warning_s, shutdown_s, abort=aborted.append,
-                      hosts=["a", "a", "b", "b"])
+    watch = CallWatch(
+        stats, 0, [2, 3], warning_s, shutdown_s, abort=aborted.append, hosts=["a", "a", "b", "b"]
+    )
     return watch, stats, aborted
 
 
@@ -27,7 +28,7 @@ def test_a_data_path_call_past_the_limits_is_reported_then_ends_the_job(logged):
     (rec,) = logged.records
     assert "rank 0 has waited 2.5 s in a data-path collective" in rec.getMessage()
     assert "ranks on other hosts: 2 (b), 3 (b)" in rec.getMessage()
-    assert not watch.check(103.0) and len(logged.records) == 1   # once per warning period
+    assert not watch.check(103.0) and len(logged.records) == 1  # once per warning period
     assert not watch.check(104.6) and len(logged.records) == 2
     assert not aborted
     assert watch.check(110.0)
@@ -49,9 +50,9 @@ def test_calls_that_end_are_forgotten_and_zero_limits_are_off(logged):
     watch, stats, aborted = _watch()
     stats.collective = (0.0, 100.0)
     watch.check(103.0)
-    stats.collective = (3.0, 0.0)          # ended
+    stats.collective = (3.0, 0.0)  # ended
     assert not watch.check(200.0)
-    stats.collective = (3.0, 200.0)        # a new call warns after its own warning limit
+    stats.collective = (3.0, 200.0)  # a new call warns after its own warning limit
     watch.check(203.0)
     assert len(logged.records) == 2
     off, stats, aborted = _watch(warning_s=0.0, shutdown_s=0.0)

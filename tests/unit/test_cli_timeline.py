@@ -12,9 +12,11 @@ def _write(path, events, closed=True):
     path.write_text(text)
 
 
-GOOD = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}},
-        {"name": "op", "ph": "X", "pid": 0, "tid": 1, "ts": 10.0, "dur": 5.0},
-        {"name": "mpi", "ph": "X", "pid": 0, "tid": 1, "ts": 11.0, "dur": 2.0}]
+GOOD = [
+    {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}},
+    {"name": "op", "ph": "X", "pid": 0, "tid": 1, "ts": 10.0, "dur": 5.0},
+    {"name": "mpi", "ph": "X", "pid": 0, "tid": 1, "ts": 11.0, "dur": 2.0},
+]
 
 
 def test_a_valid_timeline_and_one_cut_short(tmp_path, capsys):

@@ -17,10 +17,25 @@ MODULES = sorted((ROOT / "mpidp").rglob("*.py"))
 SOFT_LINES, MAX_LINES = 400, 500
 
 
+def test_ruff_format_is_clean():
+    """Every file as `ruff format` lays it out (`ruff format .` mends it)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", str(ROOT)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, f"ruff format would change:\n{out.stdout}{out.stderr}"
+
+
 def test_ruff_lint_is_clean():
     """The rule set is in pyproject.toml ([tool.ruff]); `ruff check --fix` mends some."""
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, f"ruff check found problems:\n{out.stdout}{out.stderr}"
 
 
@@ -29,8 +44,13 @@ def test_mypy_is_clean():
     checkout in the system's temp dir, brings a second run from about 20 s of CPU to 1 s."""
     key = hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]
     cache = pathlib.Path(tempfile.gettempdir()) / f"mpidp-mypy-cache-{key}"
-    out = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=280)
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
+    )
     assert out.returncode == 0, f"mypy found problems:\n{out.stdout}{out.stderr}"
 
 
@@ -40,8 +60,9 @@ def test_module_has_a_one_line_docstring(path):
     assert doc and doc.strip(), f"{path.relative_to(ROOT)} has no module docstring"
     lines = doc.split("\n")
     assert lines[0].strip(), f"{path.relative_to(ROOT)}: the docstring's first line is empty"
-    assert len(lines) == 1 or not lines[1].strip(), \
+    assert len(lines) == 1 or not lines[1].strip(), (
         f"{path.relative_to(ROOT)}: the summary must fit on the first line (then a blank line)"
+    )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -54,29 +75,34 @@ def test_module_is_at_most_500_lines(path):
 
 def _python(code: str) -> str:
     """What a fresh interpreter running `code` printed (it must exit 0)."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
 
 def test_built_queries_do_not_start_mpi():
     """`*_built()` may be asked before init(); importing mpi4py.MPI would initialise MPI."""
-    code = ("import sys, mpidp\n"
-            "names = [n for n in mpidp.__all__ if n.endswith('_built')]\n"
-            "assert len(names) >= 6, names\n"
-            "for n in names:\n"
-            "    getattr(mpidp, n)()\n"
-            "print('mpi4py.MPI' in sys.modules)\n")
+    code = (
+        "import sys, mpidp\n"
+        "names = [n for n in mpidp.__all__ if n.endswith('_built')]\n"
+        "assert len(names) >= 6, names\n"
+        "for n in names:\n"
+        "    getattr(mpidp, n)()\n"
+        "print('mpi4py.MPI' in sys.modules)\n"
+    )
     assert _python(code) == "False", "a *_built() query imported mpi4py.MPI"
 
 
 def test_import_and_eager_calls_do_not_import_dynamo():
     """torch.compile's Dynamo costs 1.2 s of CPU to import, in every rank of every job: mpidp
     leaves it out until something else (torch.compile) brings it in."""
-    code = ("import sys, torch, mpidp\n"
-            "mpidp.init()\n"
-            "mpidp.allreduce(torch.ones(2), name='x')\n"
-            "mpidp.shutdown()\n"
-            "print('torch._dynamo' in sys.modules)\n")
+    code = (
+        "import sys, torch, mpidp\n"
+        "mpidp.init()\n"
+        "mpidp.allreduce(torch.ones(2), name='x')\n"
+        "mpidp.shutdown()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
     assert _python(code) == "False", "importing or calling mpidp imported torch._dynamo"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mpidp.ops.compression import (BF16Compressor, Compression, FP16Compressor, NoneCompressor)
+from mpidp.ops.compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
 
 
 def test_horovod_names():
@@ -20,8 +20,9 @@ def test_none_is_identity(dtype):
     assert Compression.none.decompress(c, ctx) is t
 
 
-@pytest.mark.parametrize("comp, wire", [(Compression.fp16, torch.float16),
-                                        (Compression.bf16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "comp, wire", [(Compression.fp16, torch.float16), (Compression.bf16, torch.bfloat16)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cast_round_trip_restores_dtype(comp, wire, dtype):
     t = torch.tensor([0.5, -2.0, 3.0, 100.0], dtype=dtype)
@@ -51,8 +52,9 @@ def test_integer_tensors_untouched(comp, dtype):
     assert comp.decompress(c, ctx) is t
 
 
-@pytest.mark.parametrize("comp, wire", [(Compression.fp16, torch.float16),
-                                        (Compression.bf16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "comp, wire", [(Compression.fp16, torch.float16), (Compression.bf16, torch.bfloat16)]
+)
 def test_tensor_already_in_wire_dtype_untouched(comp, wire):
     t = torch.ones(4, dtype=wire)
     c, ctx = comp.compress(t)

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from mpidp import config
-from mpidp.tools import knob_docs
-from mpidp.runtime import unknown_vars
 from mpidp.errors import ConfigError, MpidpError
+from mpidp.runtime import unknown_vars
+from mpidp.tools import knob_docs
 
 MiB = 1024 * 1024
 
@@ -72,31 +72,34 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
     assert config.load().cache_capacity == 7
 
 
-@pytest.mark.parametrize("var, field, raw, expected", [
-    ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", "1024", 1024),
-    ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", " 0 ", 0),
-    ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", "0x100", 256),
-    ("MPIDP_FUSE_BELOW_BYTES", "fuse_below_bytes", "4096", 4096),
-    ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
-    ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
-    ("MPIDP_OVERLAP", "overlap", "0", "0"),
-    ("MPIDP_REDUCE_IN_BACKWARD", "reduce_in_backward", "0", False),
-    ("MPIDP_KEEP_FREED_MEMORY", "keep_freed_memory", "0", False),
-    ("MPIDP_BUCKET_BYTES", "bucket_bytes", "1048576", 1048576),
-    ("MPIDP_CACHE_CAPACITY", "cache_capacity", "0", 0),
-    ("MPIDP_STALL_WARNING_S", "stall_warning_s", "0", 0.0),
-    ("MPIDP_STALL_SHUTDOWN_S", "stall_shutdown_s", "300", 300.0),
-    ("MPIDP_LOG_LEVEL", "log_level", "Info", "info"),
-    ("MPIDP_LOG_LEVEL", "log_level", "trace", "trace"),
-    ("MPIDP_ABORT_ON_ERROR", "abort_on_error", "0", False),
-    ("MPIDP_TIMELINE", "timeline_path", " /tmp/t.json ", "/tmp/t.json"),
-    ("MPIDP_ELASTIC_CHECKPOINT", "elastic_checkpoint", " /tmp/e.pt ", "/tmp/e.pt"),
-    ("MPIDP_BACKEND", "backend", "Gloo", "gloo"),
-    ("MPIDP_CUDA_AWARE_MPI", "cuda_aware_mpi", "1", "1"),
-    ("MPIDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "yes", True),
-    ("MPIDP_SIMULATED_LOCAL_SIZE", "simulated_local_size", "2", 2),
-    ("MPIDP_AUTOTUNE", "autotune", "1", True),
-])
+@pytest.mark.parametrize(
+    "var, field, raw, expected",
+    [
+        ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", "1024", 1024),
+        ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", " 0 ", 0),
+        ("MPIDP_FUSION_THRESHOLD_BYTES", "fusion_threshold_bytes", "0x100", 256),
+        ("MPIDP_FUSE_BELOW_BYTES", "fuse_below_bytes", "4096", 4096),
+        ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
+        ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
+        ("MPIDP_OVERLAP", "overlap", "0", "0"),
+        ("MPIDP_REDUCE_IN_BACKWARD", "reduce_in_backward", "0", False),
+        ("MPIDP_KEEP_FREED_MEMORY", "keep_freed_memory", "0", False),
+        ("MPIDP_BUCKET_BYTES", "bucket_bytes", "1048576", 1048576),
+        ("MPIDP_CACHE_CAPACITY", "cache_capacity", "0", 0),
+        ("MPIDP_STALL_WARNING_S", "stall_warning_s", "0", 0.0),
+        ("MPIDP_STALL_SHUTDOWN_S", "stall_shutdown_s", "300", 300.0),
+        ("MPIDP_LOG_LEVEL", "log_level", "Info", "info"),
+        ("MPIDP_LOG_LEVEL", "log_level", "trace", "trace"),
+        ("MPIDP_ABORT_ON_ERROR", "abort_on_error", "0", False),
+        ("MPIDP_TIMELINE", "timeline_path", " /tmp/t.json ", "/tmp/t.json"),
+        ("MPIDP_ELASTIC_CHECKPOINT", "elastic_checkpoint", " /tmp/e.pt ", "/tmp/e.pt"),
+        ("MPIDP_BACKEND", "backend", "Gloo", "gloo"),
+        ("MPIDP_CUDA_AWARE_MPI", "cuda_aware_mpi", "1", "1"),
+        ("MPIDP_HIERARCHICAL_ALLREDUCE", "hierarchical_allreduce", "yes", True),
+        ("MPIDP_SIMULATED_LOCAL_SIZE", "simulated_local_size", "2", 2),
+        ("MPIDP_AUTOTUNE", "autotune", "1", True),
+    ],
+)
 def test_mpidp_variables_are_parsed(var, field, raw, expected):
     cfg = config.load({var: raw})
     value = getattr(cfg, field)
@@ -130,33 +133,36 @@ def test_mpidp_variable_wins_even_when_alias_is_malformed():
     assert cfg.cache_capacity == 5
 
 
-@pytest.mark.parametrize("var, raw", [
-    ("MPIDP_FUSION_THRESHOLD_BYTES", "-1"),
-    ("MPIDP_FUSION_THRESHOLD_BYTES", "4MiB"),
-    ("MPIDP_FUSION_THRESHOLD_BYTES", "1.5"),
-    ("MPIDP_FUSION_THRESHOLD_BYTES", ""),
-    ("MPIDP_FUSE_BELOW_BYTES", "abc"),
-    ("MPIDP_CHUNK_BYTES", "-4096"),
-    ("MPIDP_CACHE_CAPACITY", "-1"),
-    ("MPIDP_CACHE_CAPACITY", "1e3"),
-    ("MPIDP_CYCLE_TIME_MS", "-0.5"),
-    ("MPIDP_CYCLE_TIME_MS", "nan"),
-    ("MPIDP_CYCLE_TIME_MS", "fast"),
-    ("MPIDP_BUCKET_BYTES", "-1"),
-    ("MPIDP_STALL_WARNING_S", "-60"),
-    ("MPIDP_STALL_SHUTDOWN_S", "nan"),
-    ("MPIDP_LOG_LEVEL", "verbose"),
-    ("MPIDP_LOG_LEVEL", ""),
-    ("HOROVOD_FUSION_THRESHOLD", "-5"),
-    ("HOROVOD_CYCLE_TIME", "nan"),
-    ("HOROVOD_CACHE_CAPACITY", "many"),
-    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1"),
-    ("HOROVOD_LOG_LEVEL", "loud"),
-    ("MPIDP_BACKEND", "mpich"),
-    ("MPIDP_CUDA_AWARE_MPI", "maybe"),
-    ("MPIDP_ABORT_ON_ERROR", "2"),
-    ("MPIDP_SIMULATED_LOCAL_SIZE", "-2"),
-])
+@pytest.mark.parametrize(
+    "var, raw",
+    [
+        ("MPIDP_FUSION_THRESHOLD_BYTES", "-1"),
+        ("MPIDP_FUSION_THRESHOLD_BYTES", "4MiB"),
+        ("MPIDP_FUSION_THRESHOLD_BYTES", "1.5"),
+        ("MPIDP_FUSION_THRESHOLD_BYTES", ""),
+        ("MPIDP_FUSE_BELOW_BYTES", "abc"),
+        ("MPIDP_CHUNK_BYTES", "-4096"),
+        ("MPIDP_CACHE_CAPACITY", "-1"),
+        ("MPIDP_CACHE_CAPACITY", "1e3"),
+        ("MPIDP_CYCLE_TIME_MS", "-0.5"),
+        ("MPIDP_CYCLE_TIME_MS", "nan"),
+        ("MPIDP_CYCLE_TIME_MS", "fast"),
+        ("MPIDP_BUCKET_BYTES", "-1"),
+        ("MPIDP_STALL_WARNING_S", "-60"),
+        ("MPIDP_STALL_SHUTDOWN_S", "nan"),
+        ("MPIDP_LOG_LEVEL", "verbose"),
+        ("MPIDP_LOG_LEVEL", ""),
+        ("HOROVOD_FUSION_THRESHOLD", "-5"),
+        ("HOROVOD_CYCLE_TIME", "nan"),
+        ("HOROVOD_CACHE_CAPACITY", "many"),
+        ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1"),
+        ("HOROVOD_LOG_LEVEL", "loud"),
+        ("MPIDP_BACKEND", "mpich"),
+        ("MPIDP_CUDA_AWARE_MPI", "maybe"),
+        ("MPIDP_ABORT_ON_ERROR", "2"),
+        ("MPIDP_SIMULATED_LOCAL_SIZE", "-2"),
+    ],
+)
 def test_malformed_value_raises_config_error_naming_variable_and_value(var, raw):
     with pytest.raises(ConfigError) as info:
         config.load({var: raw})
@@ -181,8 +187,7 @@ def test_overrides_by_field_name():
 
 
 def test_override_wins_over_environment():
-    cfg = config.load({"MPIDP_CACHE_CAPACITY": "8", "HOROVOD_CYCLE_TIME": "2"},
-                      cache_capacity=4)
+    cfg = config.load({"MPIDP_CACHE_CAPACITY": "8", "HOROVOD_CYCLE_TIME": "2"}, cache_capacity=4)
     assert cfg.cache_capacity == 4
     assert cfg.cycle_time_ms == 2.0
     assert cfg.explicit == frozenset({"cache_capacity", "cycle_time_ms"})
@@ -201,8 +206,14 @@ def test_unknown_override_lists_known_fields():
 
 
 def test_explicit_records_env_and_overrides_only():
-    cfg = config.load({"MPIDP_CHUNK_BYTES": "4194304", "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
-                       "UNRELATED": "x"}, stall_shutdown_s=0.0)
+    cfg = config.load(
+        {
+            "MPIDP_CHUNK_BYTES": "4194304",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+            "UNRELATED": "x",
+        },
+        stall_shutdown_s=0.0,
+    )
     # Set to the default value still counts as set.
     assert cfg.chunk_bytes == DEFAULTS["chunk_bytes"]
     assert cfg.explicit == frozenset({"chunk_bytes", "stall_warning_s", "stall_shutdown_s"})
@@ -224,15 +235,26 @@ def test_agreed_items_excludes_log_level():
     cfg = config.load({})
     fields = [f for f, _ in cfg.agreed_items()]
     assert "log_level" not in fields
-    local = {"log_level", "abort_on_error", "timeline_path", "timeline_mark_cycles",
-             "autotune_log", "autotune_warmup_samples", "autotune_samples_per_point",
-             "autotune_sample_s", "elastic_checkpoint", "overlap", "keep_freed_memory"}
+    local = {
+        "log_level",
+        "abort_on_error",
+        "timeline_path",
+        "timeline_mark_cycles",
+        "autotune_log",
+        "autotune_warmup_samples",
+        "autotune_samples_per_point",
+        "autotune_sample_s",
+        "elastic_checkpoint",
+        "overlap",
+        "keep_freed_memory",
+    }
     assert set(fields) == set(DEFAULTS) - local
     assert dict(cfg.agreed_items())["cache_capacity"] == 1024
 
 
-@pytest.mark.parametrize("field, value", [("cache_capacity", -1), ("log_level", "loud"),
-                                          ("cycle_time_ms", math.nan)])
+@pytest.mark.parametrize(
+    "field, value", [("cache_capacity", -1), ("log_level", "loud"), ("cycle_time_ms", math.nan)]
+)
 def test_malformed_override_raises_config_error(field, value):
     with pytest.raises(ConfigError, match=field):
         config.load({}, **{field: value})
@@ -245,12 +267,23 @@ def test_infinite_sleep_time_is_rejected(var):
 
 
 def test_unknown_variables_name_the_closest_knob():
-    env = {"MPIDP_CYCLE_TIME_MS": "1", "MPIDP_CYCLETIME_MS": "1", "HOROVOD_FUSION_THRESHOLD": "1",
-           "HOROVOD_FUSION_THRESHHOLD": "2", "HOROVOD_GPU_OPERATIONS": "NCCL",
-           "MPIDP_ZZZ": "1", "MPIDP_VENV": "/v", "PATH": "/bin"}
+    env = {
+        "MPIDP_CYCLE_TIME_MS": "1",
+        "MPIDP_CYCLETIME_MS": "1",
+        "HOROVOD_FUSION_THRESHOLD": "1",
+        "HOROVOD_FUSION_THRESHHOLD": "2",
+        "HOROVOD_GPU_OPERATIONS": "NCCL",
+        "MPIDP_ZZZ": "1",
+        "MPIDP_VENV": "/v",
+        "PATH": "/bin",
+    }
     got = dict(unknown_vars.unknown_variables(env))
-    assert set(got) == {"MPIDP_CYCLETIME_MS", "HOROVOD_FUSION_THRESHHOLD",
-                        "HOROVOD_GPU_OPERATIONS", "MPIDP_ZZZ"}, got
+    assert set(got) == {
+        "MPIDP_CYCLETIME_MS",
+        "HOROVOD_FUSION_THRESHHOLD",
+        "HOROVOD_GPU_OPERATIONS",
+        "MPIDP_ZZZ",
+    }, got
     assert got["MPIDP_CYCLETIME_MS"].endswith("did you mean MPIDP_CYCLE_TIME_MS?")
     assert got["HOROVOD_FUSION_THRESHHOLD"].endswith("did you mean HOROVOD_FUSION_THRESHOLD?")
     assert got["HOROVOD_GPU_OPERATIONS"] == "a Horovod setting mpidp does not have; ignored"
@@ -263,15 +296,23 @@ def test_real_horovod_settings_are_not_taken_for_misspelled_knobs():
     process sets, which Horovod must be told about, are always on here."""
     env = {"HOROVOD_HIERARCHICAL_ALLGATHER": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
     got = dict(unknown_vars.unknown_variables(env))
-    assert got == {"HOROVOD_HIERARCHICAL_ALLGATHER":
-                   "a Horovod setting mpidp does not have; ignored"}, got
+    assert got == {
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "a Horovod setting mpidp does not have; ignored"
+    }, got
 
 
-@pytest.mark.parametrize("env, warning, shutdown", [
-    ({"HOROVOD_STALL_CHECK_DISABLE": "1"}, 0.0, 0.0),
-    ({"HOROVOD_STALL_CHECK_DISABLE": "true", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "9"}, 0.0, 9.0),
-    ({"HOROVOD_STALL_CHECK_DISABLE": "0"}, 60.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "env, warning, shutdown",
+    [
+        ({"HOROVOD_STALL_CHECK_DISABLE": "1"}, 0.0, 0.0),
+        (
+            {"HOROVOD_STALL_CHECK_DISABLE": "true", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "9"},
+            0.0,
+            9.0,
+        ),
+        ({"HOROVOD_STALL_CHECK_DISABLE": "0"}, 60.0, 0.0),
+    ],
+)
 def test_horovods_stall_check_disable_turns_both_stall_knobs_off(env, warning, shutdown):
     """horovodrun --no-stall-check sets it; a stall knob set by itself still counts."""
     cfg = config.load(env)
@@ -311,15 +352,18 @@ def test_config_is_immutable_and_changed_by_replace():
     assert config.load({}, cache_capacity=3) == cfg  # equal values, equal configs
 
 
-@pytest.mark.parametrize("env, rank", [
-    ({}, None),
-    ({"PMI_RANK": "2"}, 2),
-    ({"PMIX_RANK": "1"}, 1),
-    ({"OMPI_COMM_WORLD_RANK": "3", "PMI_RANK": "x"}, 3),
-    ({"PMI_RANK": "0", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5"}, 0),
-    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4"}, 4),
-    ({"SLURM_PROCID": "0"}, None),  # the batch script itself, outside any step
-])
+@pytest.mark.parametrize(
+    "env, rank",
+    [
+        ({}, None),
+        ({"PMI_RANK": "2"}, 2),
+        ({"PMIX_RANK": "1"}, 1),
+        ({"OMPI_COMM_WORLD_RANK": "3", "PMI_RANK": "x"}, 3),
+        ({"PMI_RANK": "0", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5"}, 0),
+        ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "4"}, 4),
+        ({"SLURM_PROCID": "0"}, None),  # the batch script itself, outside any step
+    ],
+)
 def test_launcher_rank(env, rank):
     assert config.launcher_rank(env) == rank
 
@@ -334,5 +378,9 @@ def test_launcher_rank_reads_os_environ_when_no_mapping_given(monkeypatch):
 def test_launcher_variables_are_covered_by_the_prefixes():
     every = config.LAUNCHER_RANK_VARIABLES + config.LAUNCHER_SIZE_VARIABLES + ("SLURM_PROCID",)
     assert all(var.startswith(config.LAUNCHER_PREFIXES) for var in every)
-    assert not any(var.startswith(config.LAUNCHER_PREFIXES) for k in config.KNOBS
-                   for var in (k.env, k.horovod) if var)
+    assert not any(
+        var.startswith(config.LAUNCHER_PREFIXES)
+        for k in config.KNOBS
+        for var in (k.env, k.horovod)
+        if var
+    )

@@ -23,11 +23,17 @@ def test_the_rule_looks_at_the_package():
 
 def test_every_module_is_in_the_architecture_doc():
     missing = [m for m in _modules() if m not in _named()]
-    assert not missing, (f"docs/architecture.md does not name {missing}: add a line for each "
-                         f"to its table 'The package, one line per module' (path under mpidp/)")
+    assert not missing, (
+        f"docs/architecture.md does not name {missing}: add a line for each "
+        f"to its table 'The package, one line per module' (path under mpidp/)"
+    )
 
 
 def test_the_architecture_doc_names_no_module_that_is_gone():
-    gone = sorted(n for n in _named() if "/" in n or n in {"__init__.py", "__main__.py"}
-                  if not (PACKAGE / n).exists() and not (ROOT / n).exists())
+    gone = sorted(
+        n
+        for n in _named()
+        if "/" in n or n in {"__init__.py", "__main__.py"}
+        if not (PACKAGE / n).exists() and not (ROOT / n).exists()
+    )
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"

@@ -7,8 +7,8 @@ import pytest
 from mpidp.engine.fusion import nbytes, plan
 from mpidp.engine.messages import OpType, ReduceOp, Request, Response
 
-BELOW = 1024        # fuse_below_bytes
-THRESHOLD = 4096    # fusion_threshold_bytes
+BELOW = 1024  # fuse_below_bytes
+THRESHOLD = 4096  # fusion_threshold_bytes
 
 
 def ar(name, numel=16, dtype="float32", joined=(), **kw):
@@ -37,8 +37,11 @@ def test_small_compatible_allreduces_fuse():
 def test_fusion_respects_the_threshold():
     rs = [ar(f"t{i}", numel=200) for i in range(12)]  # 800 B each, 5 fit in 4096
     batches = plan(rs, BELOW, THRESHOLD)
-    assert names(batches) == [[f"t{i}" for i in range(0, 5)], [f"t{i}" for i in range(5, 10)],
-                              ["t10", "t11"]]
+    assert names(batches) == [
+        [f"t{i}" for i in range(0, 5)],
+        [f"t{i}" for i in range(5, 10)],
+        ["t10", "t11"],
+    ]
     for batch in batches:
         assert sum(nbytes(r) for r in batch) <= THRESHOLD
 
@@ -59,8 +62,17 @@ def test_tensor_above_threshold_runs_alone_even_if_below_fuse_below():
     assert names(plan(rs, 10**9, THRESHOLD)) == [["a", "b"], ["huge"]]
 
 
-@pytest.mark.parametrize("op", [OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
-                                OpType.REDUCESCATTER, OpType.BARRIER, OpType.JOIN])
+@pytest.mark.parametrize(
+    "op",
+    [
+        OpType.ALLGATHER,
+        OpType.BROADCAST,
+        OpType.ALLTOALL,
+        OpType.REDUCESCATTER,
+        OpType.BARRIER,
+        OpType.JOIN,
+    ],
+)
 def test_non_allreduce_runs_alone(op):
     other = Response("x", op, Request("x", op, "float32", (4,)))
     rs = [ar("a"), other, ar("b")]
@@ -69,18 +81,26 @@ def test_non_allreduce_runs_alone(op):
 
 
 def test_different_dtypes_do_not_mix():
-    rs = [ar("f1"), ar("d1", dtype="float64"), ar("f2"), ar("h1", dtype="float16"),
-          ar("d2", dtype="float64")]
+    rs = [
+        ar("f1"),
+        ar("d1", dtype="float64"),
+        ar("f2"),
+        ar("h1", dtype="float16"),
+        ar("d2", dtype="float64"),
+    ]
     assert names(plan(rs, BELOW, THRESHOLD)) == [["f1", "f2"], ["d1", "d2"], ["h1"]]
 
 
-@pytest.mark.parametrize("kw", [
-    {"reduce_op": ReduceOp.AVERAGE},
-    {"prescale": 0.5},
-    {"postscale": 2.0},
-    {"device": "cuda:0"},
-    {"joined": (1,)},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"reduce_op": ReduceOp.AVERAGE},
+        {"prescale": 0.5},
+        {"postscale": 2.0},
+        {"device": "cuda:0"},
+        {"joined": (1,)},
+    ],
+)
 def test_each_key_component_separates_batches(kw):
     rs = [ar("a"), ar("b", **kw), ar("c"), ar("d", **kw)]
     assert names(plan(rs, BELOW, THRESHOLD)) == [["a", "c"], ["b", "d"]]
@@ -113,16 +133,22 @@ def _random_responses(seed, n=60):
             op = rng.choice([OpType.ALLGATHER, OpType.BROADCAST, OpType.BARRIER])
             out.append(Response(f"r{i}", op, Request(f"r{i}", op, "float32", (4,))))
         else:
-            out.append(ar(f"r{i}", numel=rng.choice([0, 1, 16, 100, 255, 256, 2000]),
-                          dtype=rng.choice(["float32", "float64", "int32", "float16"]),
-                          reduce_op=rng.choice([ReduceOp.SUM, ReduceOp.AVERAGE]),
-                          joined=rng.choice([(), (), (2,)])))
+            out.append(
+                ar(
+                    f"r{i}",
+                    numel=rng.choice([0, 1, 16, 100, 255, 256, 2000]),
+                    dtype=rng.choice(["float32", "float64", "int32", "float16"]),
+                    reduce_op=rng.choice([ReduceOp.SUM, ReduceOp.AVERAGE]),
+                    joined=rng.choice([(), (), (2,)]),
+                )
+            )
     return out
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("below, threshold", [(BELOW, THRESHOLD), (BELOW, 0), (10**6, 600),
-                                              (0, THRESHOLD)])
+@pytest.mark.parametrize(
+    "below, threshold", [(BELOW, THRESHOLD), (BELOW, 0), (10**6, 600), (0, THRESHOLD)]
+)
 def test_plan_is_deterministic_and_preserves_every_response_once(seed, below, threshold):
     rs = _random_responses(seed)
     first = plan(list(rs), below, threshold)
@@ -135,9 +161,22 @@ def test_plan_is_deterministic_and_preserves_every_response_once(seed, below, th
         assert batch
         if len(batch) > 1:
             assert all(r.op == OpType.ALLREDUCE for r in batch)
-            assert len({(r.request.dtype, r.request.reduce_op, r.request.prescale,
-                         r.request.postscale, r.request.device.split(":")[0], r.joined)
-                        for r in batch}) == 1
+            assert (
+                len(
+                    {
+                        (
+                            r.request.dtype,
+                            r.request.reduce_op,
+                            r.request.prescale,
+                            r.request.postscale,
+                            r.request.device.split(":")[0],
+                            r.joined,
+                        )
+                        for r in batch
+                    }
+                )
+                == 1
+            )
             assert sum(nbytes(r) for r in batch) <= threshold
             assert all(nbytes(r) < below for r in batch)
     # Within a batch, responses keep their relative order.

@@ -7,9 +7,13 @@ from mpidp.engine import half
 from mpidp.engine.dtypes import HALF
 from mpidp.engine.messages import ReduceOp
 
-REFERENCE = {ReduceOp.SUM: torch.add, ReduceOp.AVERAGE: torch.add,
-             ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum,
-             ReduceOp.PRODUCT: torch.mul}
+REFERENCE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVERAGE: torch.add,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.PRODUCT: torch.mul,
+}
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -19,8 +23,10 @@ def test_combine_is_float32_arithmetic_rounded_to_the_dtype(dtype, op):
     a = (torch.randn(1001) * 100).to(dtype)
     b = (torch.randn(1001) * 100).to(dtype)
     want = REFERENCE[op](a.float(), b.float()).to(dtype)
-    inbuf, inout = bytearray(a.view(torch.int16).numpy().tobytes()), \
-        bytearray(b.view(torch.int16).numpy().tobytes())
+    inbuf, inout = (
+        bytearray(a.view(torch.int16).numpy().tobytes()),
+        bytearray(b.view(torch.int16).numpy().tobytes()),
+    )
     half.combiner(dtype, op)(inbuf, inout)
     got = torch.frombuffer(inout, dtype=dtype)
     assert torch.equal(got, want), (got - want).abs().max()

@@ -68,6 +68,7 @@ def test_wait_wakes_when_completed_from_another_thread():
 
 # ---- HandleTable ----
 
+
 def test_register_poll_wait():
     table = HandleTable()
     a, b = Handle("a"), Handle("b")

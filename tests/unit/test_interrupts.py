@@ -55,6 +55,7 @@ def test_raised_at_once_when_not_driving(installed):
 def test_a_scripts_own_handler_is_left_alone():
     def mine(signum, frame):
         pass
+
     before = signal.signal(signal.SIGINT, mine)
     try:
         interrupts.install()

@@ -14,10 +14,15 @@ KNOBS_DOC = Path(__file__).resolve().parents[2] / "docs" / "knobs.md"
 def test_the_knob_table_is_rendered_from_knobs():
     text = KNOBS_DOC.read_text(encoding="utf-8")
     have, want = knob_docs.section(text), knob_docs.render()
-    diff = "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
-                                        "docs/knobs.md", "rendered from KNOBS"))
-    assert have == want, (f"docs/knobs.md's knob table differs from KNOBS; regenerate it with "
-                          f"`{knob_docs.COMMAND}`\n{diff}")
+    diff = "".join(
+        difflib.unified_diff(
+            have.splitlines(True), want.splitlines(True), "docs/knobs.md", "rendered from KNOBS"
+        )
+    )
+    assert have == want, (
+        f"docs/knobs.md's knob table differs from KNOBS; regenerate it with "
+        f"`{knob_docs.COMMAND}`\n{diff}"
+    )
 
 
 def test_table_has_a_row_per_knob_with_its_variables_field_and_doc():
@@ -36,12 +41,20 @@ def test_every_horovod_alias_is_in_the_table():
     assert aliases and all(f"`{alias}`" in table for alias in aliases)
 
 
-@pytest.mark.parametrize("field, shown", [
-    ("fusion_threshold_bytes", "`4194304` (4 MiB)"), ("fuse_below_bytes", "`65536` (64 KiB)"),
-    ("cycle_time_ms", "`0`"), ("autotune_sample_s", "`0.5`"), ("cache_capacity", "`1024`"),
-    ("abort_on_error", "`1`"), ("autotune", "`0`"), ("timeline_path", "empty"),
-    ("log_level", "`warning`"),
-])
+@pytest.mark.parametrize(
+    "field, shown",
+    [
+        ("fusion_threshold_bytes", "`4194304` (4 MiB)"),
+        ("fuse_below_bytes", "`65536` (64 KiB)"),
+        ("cycle_time_ms", "`0`"),
+        ("autotune_sample_s", "`0.5`"),
+        ("cache_capacity", "`1024`"),
+        ("abort_on_error", "`1`"),
+        ("autotune", "`0`"),
+        ("timeline_path", "empty"),
+        ("log_level", "`warning`"),
+    ],
+)
 def test_defaults_are_written_as_the_variable_takes_them(field, shown):
     row = next(line for line in knob_docs.render().splitlines() if f"| `{field}` |" in line)
     assert f"| `{field}` | {shown} | " in row
@@ -61,8 +74,10 @@ def test_rewrite_replaces_only_what_lies_between_the_markers():
     assert knob_docs.section(knob_docs.rewrite(empty)) == knob_docs.render()
 
 
-@pytest.mark.parametrize("text", ["no markers\n", f"{knob_docs.BEGIN}\nno end\n",
-                                  f"{knob_docs.END}\n{knob_docs.BEGIN}\n"])
+@pytest.mark.parametrize(
+    "text",
+    ["no markers\n", f"{knob_docs.BEGIN}\nno end\n", f"{knob_docs.END}\n{knob_docs.BEGIN}\n"],
+)
 def test_missing_markers_are_an_error(text):
     with pytest.raises(ValueError, match="knobs:begin"):
         knob_docs.rewrite(text)

@@ -14,8 +14,13 @@ MiB = 1024 * 1024
 
 
 def _build(argv, flavor="mpich", environ=None, as_root=False):
-    return L.build_command(L.parse_args(argv), flavor, "/mpi/bin/mpiexec",
-                           environ={} if environ is None else environ, as_root=as_root)
+    return L.build_command(
+        L.parse_args(argv),
+        flavor,
+        "/mpi/bin/mpiexec",
+        environ={} if environ is None else environ,
+        as_root=as_root,
+    )
 
 
 def _usage_error(argv, flavor="mpich"):
@@ -26,6 +31,7 @@ def _usage_error(argv, flavor="mpich"):
 
 # ---- MPICH (hydra) ----
 
+
 def test_mpich_plain_launch_is_n_and_the_command():
     cmd, env = _build(["-np", "4", "python", "train.py", "--lr", "0.1"])
     assert cmd == ["/mpi/bin/mpiexec", "-n", "4", "python", "train.py", "--lr", "0.1"]
@@ -33,65 +39,153 @@ def test_mpich_plain_launch_is_n_and_the_command():
 
 
 def test_mpich_knobs_become_genv_and_hosts_become_hosts():
-    cmd, env = _build(["-np", "4", "-H", "node1:2,node2:2", "--fusion-threshold-mb", "32",
-                       "--cycle-time-ms", "2.5", "--autotune", "python", "t.py"])
-    assert cmd == ["/mpi/bin/mpiexec", "-n", "4", "-hosts", "node1:2,node2:2",
-                   "-genv", "MPIDP_FUSION_THRESHOLD_BYTES", str(32 * MiB),
-                   "-genv", "MPIDP_CYCLE_TIME_MS", "2.5", "-genv", "MPIDP_AUTOTUNE", "1",
-                   "python", "t.py"]
+    cmd, env = _build(
+        [
+            "-np",
+            "4",
+            "-H",
+            "node1:2,node2:2",
+            "--fusion-threshold-mb",
+            "32",
+            "--cycle-time-ms",
+            "2.5",
+            "--autotune",
+            "python",
+            "t.py",
+        ]
+    )
+    assert cmd == [
+        "/mpi/bin/mpiexec",
+        "-n",
+        "4",
+        "-hosts",
+        "node1:2,node2:2",
+        "-genv",
+        "MPIDP_FUSION_THRESHOLD_BYTES",
+        str(32 * MiB),
+        "-genv",
+        "MPIDP_CYCLE_TIME_MS",
+        "2.5",
+        "-genv",
+        "MPIDP_AUTOTUNE",
+        "1",
+        "python",
+        "t.py",
+    ]
     assert env == {}
 
 
 def test_mpich_start_timeout_reaches_ssh_through_hydra_and_keeps_user_options():
     _cmd, env = _build(["-np", "2", "--start-timeout", "45", "python", "t.py"])
     assert env == {"HYDRA_LAUNCHER_EXTRA_ARGS": "-o ConnectTimeout=45"}
-    _cmd, env = _build(["-np", "2", "--start-timeout", "45", "python", "t.py"],
-                       environ={"HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222"})
+    _cmd, env = _build(
+        ["-np", "2", "--start-timeout", "45", "python", "t.py"],
+        environ={"HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222"},
+    )
     assert env == {"HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222 -o ConnectTimeout=45"}
 
 
 def test_mpi_args_go_between_the_options_and_the_command():
     cmd, _ = _build(["-np", "2", "--mpi-args=-iface br0 -prepend-rank", "python", "t.py"])
-    assert cmd == ["/mpi/bin/mpiexec", "-n", "2", "-iface", "br0", "-prepend-rank", "python",
-                   "t.py"]
+    assert cmd == [
+        "/mpi/bin/mpiexec",
+        "-n",
+        "2",
+        "-iface",
+        "br0",
+        "-prepend-rank",
+        "python",
+        "t.py",
+    ]
     cmd, _ = _build(["-np", "2", "--mpi-args", "--mca btl ^ofi", "python", "t.py"], "openmpi")
     assert cmd[-5:] == ["--mca", "btl", "^ofi", "python", "t.py"]
 
 
 # ---- Open MPI ----
 
+
 def test_openmpi_gets_np_localhost_slots_no_binding_and_x_for_knobs():
-    cmd, env = _build(["-np", "3", "--cache-capacity", "7", "--hierarchical-allreduce",
-                       "python", "t.py"], "openmpi")
+    cmd, env = _build(
+        ["-np", "3", "--cache-capacity", "7", "--hierarchical-allreduce", "python", "t.py"],
+        "openmpi",
+    )
     # Open MPI refuses more ranks than cores without -H; horovodrun gives localhost -np slots.
-    assert cmd == ["/mpi/bin/mpiexec", "-np", "3", "-H", "localhost:3", "--bind-to", "none",
-                   "--map-by", "slot", "-x", "MPIDP_CACHE_CAPACITY=7",
-                   "-x", "MPIDP_HIERARCHICAL_ALLREDUCE=1", "python", "t.py"]
+    assert cmd == [
+        "/mpi/bin/mpiexec",
+        "-np",
+        "3",
+        "-H",
+        "localhost:3",
+        "--bind-to",
+        "none",
+        "--map-by",
+        "slot",
+        "-x",
+        "MPIDP_CACHE_CAPACITY=7",
+        "-x",
+        "MPIDP_HIERARCHICAL_ALLREDUCE=1",
+        "python",
+        "t.py",
+    ]
     assert env == {}
 
 
 def test_openmpi_hosts_root_and_start_timeout():
-    cmd, env = _build(["-np", "4", "-H", "a:2,b:2", "--start-timeout", "9", "python", "t.py"],
-                      "openmpi", as_root=True)
-    assert cmd == ["/mpi/bin/mpiexec", "-np", "4", "-H", "a:2,b:2", "--bind-to", "none",
-                   "--map-by", "slot", "--allow-run-as-root",
-                   "--mca", "plm_rsh_args", "-o ConnectTimeout=9", "python", "t.py"]
+    cmd, env = _build(
+        ["-np", "4", "-H", "a:2,b:2", "--start-timeout", "9", "python", "t.py"],
+        "openmpi",
+        as_root=True,
+    )
+    assert cmd == [
+        "/mpi/bin/mpiexec",
+        "-np",
+        "4",
+        "-H",
+        "a:2,b:2",
+        "--bind-to",
+        "none",
+        "--map-by",
+        "slot",
+        "--allow-run-as-root",
+        "--mca",
+        "plm_rsh_args",
+        "-o ConnectTimeout=9",
+        "python",
+        "t.py",
+    ]
     assert env == {}
 
 
 def test_openmpi_forwards_path_and_knob_variables_by_name_but_flags_win():
-    environ = {"PATH": "/bin", "PYTHONPATH": "/src", "HOME": "/root", "MPIDP_BACKEND": "gloo",
-               "HOROVOD_CACHE_CAPACITY": "5", "MPIDP_CYCLE_TIME_MS": "9"}
+    environ = {
+        "PATH": "/bin",
+        "PYTHONPATH": "/src",
+        "HOME": "/root",
+        "MPIDP_BACKEND": "gloo",
+        "HOROVOD_CACHE_CAPACITY": "5",
+        "MPIDP_CYCLE_TIME_MS": "9",
+    }
     cmd, _ = _build(["-np", "2", "--cycle-time-ms", "1", "python", "t.py"], "openmpi", environ)
     xs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
-    assert xs == ["MPIDP_CYCLE_TIME_MS=1.0", "HOROVOD_CACHE_CAPACITY", "MPIDP_BACKEND", "PATH",
-                  "PYTHONPATH"]
+    assert xs == [
+        "MPIDP_CYCLE_TIME_MS=1.0",
+        "HOROVOD_CACHE_CAPACITY",
+        "MPIDP_BACKEND",
+        "PATH",
+        "PYTHONPATH",
+    ]
 
 
 # ---- hostfiles ----
 
-@pytest.mark.parametrize("text", ["node1 slots=2\nnode2 slots=3 max_slots=8\n",
-                                  "# two hosts\nnode1:2\n\nnode2:3  # the big one\n"])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "node1 slots=2\nnode2 slots=3 max_slots=8\n",
+        "# two hosts\nnode1:2\n\nnode2:3  # the big one\n",
+    ],
+)
 def test_hostfile_in_either_syntax_becomes_the_host_list(tmp_path, text):
     path = tmp_path / "hosts"
     path.write_text(text)
@@ -101,12 +195,17 @@ def test_hostfile_in_either_syntax_becomes_the_host_list(tmp_path, text):
     assert cmd[3:5] == ["-H", "node1:2,node2:3"]
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("node1 slots=2\nnode2\n",
-     "line 2: 'node2' does not say how many slots; write 'node2 slots=N'"),
-    ("node1 slots=0\n", "line 1: 'node1:0' is not host:slots with slots >= 1"),
-    ("# nothing\n", "names no host"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "node1 slots=2\nnode2\n",
+            "line 2: 'node2' does not say how many slots; write 'node2 slots=N'",
+        ),
+        ("node1 slots=0\n", "line 1: 'node1:0' is not host:slots with slots >= 1"),
+        ("# nothing\n", "names no host"),
+    ],
+)
 def test_bad_hostfile_names_the_line(tmp_path, text, expected):
     path = tmp_path / "hosts"
     path.write_text(text)
@@ -132,24 +231,28 @@ def test_missing_hostfile_is_a_usage_error(tmp_path):
 
 # ---- knob flags: the variable each sets, as mpidp.config reads it back ----
 
-@pytest.mark.parametrize("flags, field, value", [
-    (["--fusion-threshold-mb", "0"], "fusion_threshold_bytes", 0),
-    (["--fusion-threshold-mb", "64"], "fusion_threshold_bytes", 64 * MiB),
-    (["--cycle-time-ms", "0.25"], "cycle_time_ms", 0.25),
-    (["--cache-capacity=0"], "cache_capacity", 0),
-    (["--hierarchical-allreduce"], "hierarchical_allreduce", True),
-    (["--no-hierarchical-allreduce"], "hierarchical_allreduce", False),
-    (["--autotune"], "autotune", True),
-    (["--no-autotune"], "autotune", False),
-    (["--autotune-log-file", "/tmp/at.csv"], "autotune_log", "/tmp/at.csv"),
-    (["--autotune-warmup-samples", "4"], "autotune_warmup_samples", 4),
-    (["--timeline-filename", "tl.json"], "timeline_path", "tl.json"),
-    (["--timeline-mark-cycles"], "timeline_mark_cycles", True),
-    (["--stall-check-warning-time-seconds", "30"], "stall_warning_s", 30.0),
-    (["--stall-check-shutdown-time-seconds", "90"], "stall_shutdown_s", 90.0),
-    (["--log-level", "DEBUG"], "log_level", "debug"),
-    (["--log-level", "trace"], "log_level", "trace"),
-])
+
+@pytest.mark.parametrize(
+    "flags, field, value",
+    [
+        (["--fusion-threshold-mb", "0"], "fusion_threshold_bytes", 0),
+        (["--fusion-threshold-mb", "64"], "fusion_threshold_bytes", 64 * MiB),
+        (["--cycle-time-ms", "0.25"], "cycle_time_ms", 0.25),
+        (["--cache-capacity=0"], "cache_capacity", 0),
+        (["--hierarchical-allreduce"], "hierarchical_allreduce", True),
+        (["--no-hierarchical-allreduce"], "hierarchical_allreduce", False),
+        (["--autotune"], "autotune", True),
+        (["--no-autotune"], "autotune", False),
+        (["--autotune-log-file", "/tmp/at.csv"], "autotune_log", "/tmp/at.csv"),
+        (["--autotune-warmup-samples", "4"], "autotune_warmup_samples", 4),
+        (["--timeline-filename", "tl.json"], "timeline_path", "tl.json"),
+        (["--timeline-mark-cycles"], "timeline_mark_cycles", True),
+        (["--stall-check-warning-time-seconds", "30"], "stall_warning_s", 30.0),
+        (["--stall-check-shutdown-time-seconds", "90"], "stall_shutdown_s", 90.0),
+        (["--log-level", "DEBUG"], "log_level", "debug"),
+        (["--log-level", "trace"], "log_level", "trace"),
+    ],
+)
 def test_knob_flag_sets_the_mpidp_variable(flags, field, value):
     env = L.knob_env(L.parse_args(["-np", "1", *flags, "python"]))
     knob = next(k for k in config.KNOBS if k.field == field)
@@ -162,7 +265,8 @@ def test_no_stall_check_turns_warning_and_shutdown_off():
     env = L.knob_env(L.parse_args(["-np", "1", "--no-stall-check", "python"]))
     assert env == {"MPIDP_STALL_WARNING_S": "0", "MPIDP_STALL_SHUTDOWN_S": "0"}
     assert "--no-stall-check turns the stall check off" in _usage_error(
-        ["-np", "1", "--no-stall-check", "--stall-check-warning-time-seconds", "5", "python"])
+        ["-np", "1", "--no-stall-check", "--stall-check-warning-time-seconds", "5", "python"]
+    )
 
 
 def test_a_value_mpidp_refuses_names_the_flag_and_the_variable():
@@ -171,6 +275,7 @@ def test_a_value_mpidp_refuses_names_the_flag_and_the_variable():
 
 
 # ---- the command line itself ----
+
 
 def test_options_after_the_command_belong_to_the_command():
     args = L.parse_args(["-np", "2", "python", "t.py", "--verbose", "-np", "8"])
@@ -187,33 +292,51 @@ def test_check_build_help_and_version_need_no_np_or_command():
     assert L.parse_args(["--disable-cache", "--mpi", "-np", "1", "x"]).command == ["x"]
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["python", "t.py"], "-np is required: write -np N"),
-    (["-np", "0", "python"], "-np must be >= 1, not 0"),
-    (["-np", "-3", "python"], "-np must be >= 1, not -3"),
-    (["-np", "two", "python"], "-np takes an integer, not 'two': write for example -np 2"),
-    (["-np", "2"], "no command to run: write it after the options"),
-    (["-np"], "-np needs a value: write -np N"),
-    (["-np", "2", "-H", "node1", "x"], "-H: 'node1' is not host:slots with slots >= 1; write "
-                                       "for example -H node1:4,node2:4"),
-    (["-np", "2", "-H", "a:2,b:x", "x"], "'b:x' is not host:slots"),
-    (["-np", "2", "-H", "a:1", "--hostfile", "f", "x"], "-H and --hostfile both name the hosts"),
-    (["-np", "2", "--fusion-threshold-mb", "-1", "x"],
-     "--fusion-threshold-mb must be >= 0, not -1"),
-    (["-np", "2", "--fusion-threshold-mb", "1.5", "x"], "--fusion-threshold-mb takes an integer"),
-    (["-np", "2", "--cycle-time-ms", "nan", "x"], "--cycle-time-ms must be >= 0, not nan"),
-    (["-np", "2", "--start-timeout", "0", "x"], "--start-timeout must be >= 1, not 0"),
-    (["-np", "2", "--log-level", "loud", "x"], "--log-level 'loud' is not a level: write one "
-                                               "of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"),
-    (["-np", "2", "--autotune=1", "x"], "--autotune takes no value: write --autotune alone"),
-    (["-np", "2", "--mpi-args", "'unclosed", "x"], "--mpi-args"),
-    (["-np", "2", "--frobnicate", "x"], "unknown option '--frobnicate': mpidprun takes "
-                                        "horovodrun's options"),
-    (["-np", "2", "-genv", "A", "B", "x"], "mpiexec's own options go in --mpi-args="),
-    (["-np", "2", "--gloo", "x"], "set MPIDP_BACKEND=gloo"),
-    (["--min-np", "2", "-np", "4", "x"], "MPIDP_ELASTIC_CHECKPOINT"),
-    (["-np", "2", "--network-interface", "eth0", "x"], "MPICH: -iface NIC"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["python", "t.py"], "-np is required: write -np N"),
+        (["-np", "0", "python"], "-np must be >= 1, not 0"),
+        (["-np", "-3", "python"], "-np must be >= 1, not -3"),
+        (["-np", "two", "python"], "-np takes an integer, not 'two': write for example -np 2"),
+        (["-np", "2"], "no command to run: write it after the options"),
+        (["-np"], "-np needs a value: write -np N"),
+        (
+            ["-np", "2", "-H", "node1", "x"],
+            "-H: 'node1' is not host:slots with slots >= 1; write for example -H node1:4,node2:4",
+        ),
+        (["-np", "2", "-H", "a:2,b:x", "x"], "'b:x' is not host:slots"),
+        (
+            ["-np", "2", "-H", "a:1", "--hostfile", "f", "x"],
+            "-H and --hostfile both name the hosts",
+        ),
+        (
+            ["-np", "2", "--fusion-threshold-mb", "-1", "x"],
+            "--fusion-threshold-mb must be >= 0, not -1",
+        ),
+        (
+            ["-np", "2", "--fusion-threshold-mb", "1.5", "x"],
+            "--fusion-threshold-mb takes an integer",
+        ),
+        (["-np", "2", "--cycle-time-ms", "nan", "x"], "--cycle-time-ms must be >= 0, not nan"),
+        (["-np", "2", "--start-timeout", "0", "x"], "--start-timeout must be >= 1, not 0"),
+        (
+            ["-np", "2", "--log-level", "loud", "x"],
+            "--log-level 'loud' is not a level: write one "
+            "of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL",
+        ),
+        (["-np", "2", "--autotune=1", "x"], "--autotune takes no value: write --autotune alone"),
+        (["-np", "2", "--mpi-args", "'unclosed", "x"], "--mpi-args"),
+        (
+            ["-np", "2", "--frobnicate", "x"],
+            "unknown option '--frobnicate': mpidprun takes horovodrun's options",
+        ),
+        (["-np", "2", "-genv", "A", "B", "x"], "mpiexec's own options go in --mpi-args="),
+        (["-np", "2", "--gloo", "x"], "set MPIDP_BACKEND=gloo"),
+        (["--min-np", "2", "-np", "4", "x"], "MPIDP_ELASTIC_CHECKPOINT"),
+        (["-np", "2", "--network-interface", "eth0", "x"], "MPICH: -iface NIC"),
+    ],
+)
 def test_bad_command_lines_say_what_to_write(argv, expected):
     assert expected in _usage_error(argv)
 
@@ -235,14 +358,20 @@ def test_main_help_lists_the_flags_and_version_prints_it(capsys):
 
 # ---- finding and recognising mpiexec ----
 
-@pytest.mark.parametrize("text, flavor", [
-    ("HYDRA build details:\n    Version:   5.0.2\n", "mpich"),
-    ("Intel(R) MPI Library for Linux* OS, Version 2021.10\n", "mpich"),
-    ("mpirun (Open MPI) 5.0.6\n\nReport bugs to https://www.open-mpi.org/community/help/\n",
-     "openmpi"),
-    ("mpirun (OpenRTE) 2.1.1\n", "openmpi"),
-    ("srun: unrecognized option\n", None),
-])
+
+@pytest.mark.parametrize(
+    "text, flavor",
+    [
+        ("HYDRA build details:\n    Version:   5.0.2\n", "mpich"),
+        ("Intel(R) MPI Library for Linux* OS, Version 2021.10\n", "mpich"),
+        (
+            "mpirun (Open MPI) 5.0.6\n\nReport bugs to https://www.open-mpi.org/community/help/\n",
+            "openmpi",
+        ),
+        ("mpirun (OpenRTE) 2.1.1\n", "openmpi"),
+        ("srun: unrecognized option\n", None),
+    ],
+)
 def test_flavor_of_version_output(text, flavor):
     assert L.flavor_of(text) == flavor
 

@@ -14,8 +14,17 @@ FOUNDATION = {"mpidp.errors", "mpidp.log", "mpidp.config"}
 WINGS = ["engine", "runtime", "ops", "training", "sharded", "state", "distributed", "tools"]
 # What mpidp/ may hold at its top besides the wings: the public face, the foundation and the
 # documented user import paths (mpidp.checkpoint, mpidp.elastic, mpidp.torch, mpidp.common).
-TOP = {"__init__.py", "__main__.py", "config.py", "errors.py", "log.py", "checkpoint.py",
-       "elastic.py", "torch", "common"}
+TOP = {
+    "__init__.py",
+    "__main__.py",
+    "config.py",
+    "errors.py",
+    "log.py",
+    "checkpoint.py",
+    "elastic.py",
+    "torch",
+    "common",
+}
 # Only these talk to mpi4py: importing mpi4py.MPI initialises MPI, which init() must control.
 MPI4PY_IMPORTERS = {"mpidp.engine.mpi", "mpidp.runtime.world"}
 
@@ -39,7 +48,7 @@ def _imports(path: pathlib.Path):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 yield f"{base}.{alias.name}", node.lineno
@@ -89,14 +98,20 @@ def test_imports_point_down(path):
             continue
         theirs = _wing(target)
         if WINGS[mine] == "engine" and theirs != mine:
-            wrong.append(f"line {line}: the engine imports {target}; it may import only "
-                         f"itself and {sorted(FOUNDATION)}")
+            wrong.append(
+                f"line {line}: the engine imports {target}; it may import only "
+                f"itself and {sorted(FOUNDATION)}"
+            )
         elif theirs is None and WINGS[mine] != "tools":
-            wrong.append(f"line {line}: the {WINGS[mine]} wing imports {target} from the top "
-                         f"of the package, which stands above every wing but tools")
+            wrong.append(
+                f"line {line}: the {WINGS[mine]} wing imports {target} from the top "
+                f"of the package, which stands above every wing but tools"
+            )
         elif theirs is not None and theirs > mine:
-            wrong.append(f"line {line}: the {WINGS[mine]} wing imports {target} from the "
-                         f"{WINGS[theirs]} wing above it (order: {' < '.join(WINGS)})")
+            wrong.append(
+                f"line {line}: the {WINGS[mine]} wing imports {target} from the "
+                f"{WINGS[theirs]} wing above it (order: {' < '.join(WINGS)})"
+            )
     assert not wrong, f"{name}:\n  " + "\n  ".join(wrong)
 
 
@@ -111,8 +126,13 @@ def test_no_import_circles():
     graph = {}
     for path in MODULES:
         name = _module_name(path)
-        graph[name] = {m for t, _ in _imports(path) if t.startswith("mpidp")
-                       for m in [_module_of(t)] if m is not None and m != name}
+        graph[name] = {
+            m
+            for t, _ in _imports(path)
+            if t.startswith("mpidp")
+            for m in [_module_of(t)]
+            if m is not None and m != name
+        }
     # A package's face imports its own modules; a module importing its package's face from
     # inside is what would close a circle, and the walk below finds it.
     state, circles = {}, []
@@ -121,7 +141,7 @@ def test_no_import_circles():
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                circles.append(stack[stack.index(nxt):] + [nxt])
+                circles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"
@@ -134,27 +154,38 @@ def test_no_import_circles():
 
 def _probe(monkeypatch, where, source):
     fake = PACKAGE / where / "_layering_probe.py"
-    monkeypatch.setattr(pathlib.Path, "read_text",
-                        lambda self, *a, **k: source if self == fake else
-                        pathlib.Path.read_bytes(self).decode())
+    monkeypatch.setattr(
+        pathlib.Path,
+        "read_text",
+        lambda self, *a, **k: source if self == fake else pathlib.Path.read_bytes(self).decode(),
+    )
     with pytest.raises(AssertionError) as info:
         test_imports_point_down(fake)
     return str(info.value)
 
 
 def test_the_rules_catch_an_engine_module_importing_the_training_layer(monkeypatch):
-    said = _probe(monkeypatch, "engine", '"""probe."""\nfrom ..training.optimizer import '
-                  'DistributedOptimizer\nimport mpi4py\n')
+    said = _probe(
+        monkeypatch,
+        "engine",
+        '"""probe."""\nfrom ..training.optimizer import DistributedOptimizer\nimport mpi4py\n',
+    )
     assert "the engine imports mpidp.training.optimizer" in said
     assert "imports mpi4py" in said
 
 
-@pytest.mark.parametrize("where, source, said", [
-    ("ops", "from ..training import buckets", "the ops wing imports mpidp.training.buckets "
-                                              "from the training wing above it"),
-    ("runtime", "from .. import ops", "the runtime wing imports mpidp.ops from the ops wing"),
-    ("training", "from .. import checkpoint", "imports mpidp.checkpoint from the top"),
-    ("sharded", "from ..state import rng", "the sharded wing imports mpidp.state.rng"),
-])
+@pytest.mark.parametrize(
+    "where, source, said",
+    [
+        (
+            "ops",
+            "from ..training import buckets",
+            "the ops wing imports mpidp.training.buckets from the training wing above it",
+        ),
+        ("runtime", "from .. import ops", "the runtime wing imports mpidp.ops from the ops wing"),
+        ("training", "from .. import checkpoint", "imports mpidp.checkpoint from the top"),
+        ("sharded", "from ..state import rng", "the sharded wing imports mpidp.state.rng"),
+    ],
+)
 def test_the_rules_catch_a_wing_importing_one_above_it(monkeypatch, where, source, said):
     assert said in _probe(monkeypatch, where, f'"""probe."""\n{source}\n')

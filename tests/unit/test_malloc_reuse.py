@@ -43,14 +43,20 @@ MB = 1_000_000
 
 
 def _rounds(keep: str):
-    out = subprocess.run([sys.executable, "-c", CHURN, keep], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    out = subprocess.run(
+        [sys.executable, "-c", CHURN, keep],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)},
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.split("\n")[-2])
 
 
-@pytest.mark.skipif(not GLIBC or not hasattr(ctypes.CDLL(None), "mallinfo2"),
-                    reason="needs glibc's malloc (2.33 or later, for mallinfo2)")
+@pytest.mark.skipif(
+    not GLIBC or not hasattr(ctypes.CDLL(None), "mallinfo2"),
+    reason="needs glibc's malloc (2.33 or later, for mallinfo2)",
+)
 def test_freed_blocks_are_reused_instead_of_mapped_again():
     left, kept = _rounds("0"), _rounds("1")
     # glibc's defaults map both blocks (160 MB) every round, and unmap them at free: each
@@ -67,8 +73,9 @@ def test_freed_blocks_are_reused_instead_of_mapped_again():
     assert heap_after_last - heap_after_first < 320 * MB, f"the heap kept growing: {kept}"
 
 
-@pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "0"},
-                                 {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"}])
+@pytest.mark.parametrize(
+    "env", [{"MALLOC_TRIM_THRESHOLD_": "0"}, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"}]
+)
 def test_the_users_own_malloc_settings_are_left_alone(env):
     assert malloc_reuse.keep_freed_memory(env) is False
 

@@ -33,11 +33,12 @@ def test_allgather_cache_key_includes_full_shape():
     assert a.signature() == b.signature()
     assert a.cache_key() != b.cache_key()
     assert a.cache_key() == req(OpType.ALLGATHER, (3, 4)).cache_key()
-    assert a.cache_key()[:len(a.signature())] == a.signature()
+    assert a.cache_key()[: len(a.signature())] == a.signature()
 
 
-@pytest.mark.parametrize("op", [OpType.ALLREDUCE, OpType.ALLTOALL, OpType.BROADCAST,
-                                OpType.REDUCESCATTER])
+@pytest.mark.parametrize(
+    "op", [OpType.ALLREDUCE, OpType.ALLTOALL, OpType.BROADCAST, OpType.REDUCESCATTER]
+)
 def test_cache_key_is_signature_for_other_ops(op):
     r = req(op, (5, 2))
     assert r.cache_key() == r.signature()
@@ -48,15 +49,27 @@ def test_alltoall_cache_key_ignores_dim0():
 
 
 def test_signature_uses_device_kind_not_index():
-    assert (req(OpType.ALLREDUCE, (2,), device="cuda:0").signature()
-            == req(OpType.ALLREDUCE, (2,), device="cuda:1").signature())
-    assert (req(OpType.ALLREDUCE, (2,), device="cuda:0").signature()
-            != req(OpType.ALLREDUCE, (2,), device="cpu").signature())
+    assert (
+        req(OpType.ALLREDUCE, (2,), device="cuda:0").signature()
+        == req(OpType.ALLREDUCE, (2,), device="cuda:1").signature()
+    )
+    assert (
+        req(OpType.ALLREDUCE, (2,), device="cuda:0").signature()
+        != req(OpType.ALLREDUCE, (2,), device="cpu").signature()
+    )
 
 
-@pytest.mark.parametrize("field, value", [("dtype", "float64"), ("reduce_op", ReduceOp.AVERAGE),
-                                          ("prescale", 0.5), ("postscale", 2.0), ("root", 1),
-                                          ("op", OpType.BROADCAST)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", "float64"),
+        ("reduce_op", ReduceOp.AVERAGE),
+        ("prescale", 0.5),
+        ("postscale", 2.0),
+        ("root", 1),
+        ("op", OpType.BROADCAST),
+    ],
+)
 def test_signature_changes_with_each_field(field, value):
     base = req(OpType.ALLREDUCE, (2,))
     assert base._replace(**{field: value}).signature() != base.signature()

@@ -25,6 +25,7 @@ def submit_all(table, requests_by_rank):
 
 # ---- readiness and order ----
 
+
 def test_not_ready_until_every_rank_submitted():
     table = MessageTable(3)
     table.add(0, [ar()])
@@ -51,8 +52,10 @@ def test_readiness_order_is_order_of_first_arrival():
     table = MessageTable(2)
     table.add(1, [ar("c"), ar("b")])
     table.add(0, [ar("a"), ar("b"), ar("c")])
-    assert table.ready() == [Response("c", OpType.ALLREDUCE, ar("c")),
-                             Response("b", OpType.ALLREDUCE, ar("b"))]
+    assert table.ready() == [
+        Response("c", OpType.ALLREDUCE, ar("c")),
+        Response("b", OpType.ALLREDUCE, ar("b")),
+    ]
     table.add(1, [ar("a")])
     assert [r.name for r in table.ready()] == ["a"]
 
@@ -91,6 +94,7 @@ def test_device_index_may_differ():
 
 # ---- mismatches ----
 
+
 def error_of(requests_by_rank, size=None):
     table = MessageTable(size or len(requests_by_rank))
     submit_all(table, requests_by_rank)
@@ -102,46 +106,81 @@ def error_of(requests_by_rank, size=None):
 
 
 def test_shape_mismatch_message_groups_ranks():
-    msg = error_of({0: ar(shape=(17, 4)), 1: ar(shape=(18, 4)), 2: ar(shape=(17, 4)),
-                    3: ar(shape=(18, 4))})
-    assert msg == ("allreduce 't': ranks 0,2 sent shape (17, 4) float32, "
-                   "ranks 1,3 sent shape (18, 4) float32")
+    msg = error_of(
+        {0: ar(shape=(17, 4)), 1: ar(shape=(18, 4)), 2: ar(shape=(17, 4)), 3: ar(shape=(18, 4))}
+    )
+    assert msg == (
+        "allreduce 't': ranks 0,2 sent shape (17, 4) float32, ranks 1,3 sent shape (18, 4) float32"
+    )
 
 
 def test_shape_mismatch_message_single_rank_first():
-    msg = error_of({0: ar(shape=(17, 4)), 1: ar(shape=(18, 4)), 2: ar(shape=(18, 4)),
-                    3: ar(shape=(18, 4))})
-    assert msg == ("allreduce 't': rank 0 sent shape (17, 4) float32, "
-                   "ranks 1,2,3 sent shape (18, 4) float32")
+    msg = error_of(
+        {0: ar(shape=(17, 4)), 1: ar(shape=(18, 4)), 2: ar(shape=(18, 4)), 3: ar(shape=(18, 4))}
+    )
+    assert msg == (
+        "allreduce 't': rank 0 sent shape (17, 4) float32, ranks 1,2,3 sent shape (18, 4) float32"
+    )
 
 
 def test_shape_mismatch_with_a_joined_rank_names_only_submitters():
-    msg = validate({0: ar("fc1.weight", (17, 4)), 1: ar("fc1.weight", (18, 4)),
-                    3: ar("fc1.weight", (18, 4))}, [2])
-    assert msg == ("allreduce 'fc1.weight': rank 0 sent shape (17, 4) float32, "
-                   "ranks 1,3 sent shape (18, 4) float32")
+    msg = validate(
+        {0: ar("fc1.weight", (17, 4)), 1: ar("fc1.weight", (18, 4)), 3: ar("fc1.weight", (18, 4))},
+        [2],
+    )
+    assert msg == (
+        "allreduce 'fc1.weight': rank 0 sent shape (17, 4) float32, "
+        "ranks 1,3 sent shape (18, 4) float32"
+    )
 
 
-@pytest.mark.parametrize("a, b, fragment_a, fragment_b", [
-    (ar(), Request("t", OpType.ALLGATHER, "float32", (17, 4)), "sent allreduce", "sent allgather"),
-    (ar(), ar(dtype="float64"), "sent dtype 'float32'", "sent dtype 'float64'"),
-    (ar(), ar(reduce_op=ReduceOp.AVERAGE), "sent Sum", "sent Average"),
-    (ar(), ar(prescale=0.5), "sent prescale 1.0", "sent prescale 0.5"),
-    (ar(), ar(postscale=2.0), "sent postscale 1.0", "sent postscale 2.0"),
-    (ar(), ar(device="cuda:0"), "sent device cpu", "sent device cuda"),
-    (Request("t", OpType.BROADCAST, "float32", (2,), root=0),
-     Request("t", OpType.BROADCAST, "float32", (2,), root=1), "sent root 0", "sent root 1"),
-    (Request("t", OpType.BROADCAST, "float32", (2,), root=0),
-     Request("t", OpType.BROADCAST, "float32", (3,), root=0),
-     "sent shape (2,) float32", "sent shape (3,) float32"),
-    (ag("t", (3, 4)), ag("t", (3, 5)), "sent shape (*, 4) float32", "sent shape (*, 5) float32"),
-    (ag("t", (3, 4)), ag("t", (3,)), "sent shape (*, 4) float32", "sent shape (3,) float32"),
-    (Request("t", OpType.ALLTOALL, "int64", (4, 2)), Request("t", OpType.ALLTOALL, "int64", (4, 3)),
-     "sent shape (*, 2) int64", "sent shape (*, 3) int64"),
-    (Request("t", OpType.REDUCESCATTER, "float32", (8,)),
-     Request("t", OpType.REDUCESCATTER, "float32", (8,), reduce_op=ReduceOp.MAX),
-     "sent Sum", "sent Max"),
-])
+@pytest.mark.parametrize(
+    "a, b, fragment_a, fragment_b",
+    [
+        (
+            ar(),
+            Request("t", OpType.ALLGATHER, "float32", (17, 4)),
+            "sent allreduce",
+            "sent allgather",
+        ),
+        (ar(), ar(dtype="float64"), "sent dtype 'float32'", "sent dtype 'float64'"),
+        (ar(), ar(reduce_op=ReduceOp.AVERAGE), "sent Sum", "sent Average"),
+        (ar(), ar(prescale=0.5), "sent prescale 1.0", "sent prescale 0.5"),
+        (ar(), ar(postscale=2.0), "sent postscale 1.0", "sent postscale 2.0"),
+        (ar(), ar(device="cuda:0"), "sent device cpu", "sent device cuda"),
+        (
+            Request("t", OpType.BROADCAST, "float32", (2,), root=0),
+            Request("t", OpType.BROADCAST, "float32", (2,), root=1),
+            "sent root 0",
+            "sent root 1",
+        ),
+        (
+            Request("t", OpType.BROADCAST, "float32", (2,), root=0),
+            Request("t", OpType.BROADCAST, "float32", (3,), root=0),
+            "sent shape (2,) float32",
+            "sent shape (3,) float32",
+        ),
+        (
+            ag("t", (3, 4)),
+            ag("t", (3, 5)),
+            "sent shape (*, 4) float32",
+            "sent shape (*, 5) float32",
+        ),
+        (ag("t", (3, 4)), ag("t", (3,)), "sent shape (*, 4) float32", "sent shape (3,) float32"),
+        (
+            Request("t", OpType.ALLTOALL, "int64", (4, 2)),
+            Request("t", OpType.ALLTOALL, "int64", (4, 3)),
+            "sent shape (*, 2) int64",
+            "sent shape (*, 3) int64",
+        ),
+        (
+            Request("t", OpType.REDUCESCATTER, "float32", (8,)),
+            Request("t", OpType.REDUCESCATTER, "float32", (8,), reduce_op=ReduceOp.MAX),
+            "sent Sum",
+            "sent Max",
+        ),
+    ],
+)
 def test_each_mismatch_kind_is_an_error_naming_tensor_and_ranks(a, b, fragment_a, fragment_b):
     msg = error_of({0: a, 1: b, 2: b})
     assert "'t'" in msg
@@ -152,10 +191,18 @@ def test_each_mismatch_kind_is_an_error_naming_tensor_and_ranks(a, b, fragment_a
 
 
 def test_mismatch_groups_are_ordered_by_lowest_rank():
-    msg = error_of({0: ar(dtype="float16"), 1: ar(dtype="float32"), 2: ar(dtype="float64"),
-                    3: ar(dtype="float32")})
-    assert msg == ("allreduce 't': rank 0 sent dtype 'float16', ranks 1,3 sent dtype "
-                   "'float32', rank 2 sent dtype 'float64'")
+    msg = error_of(
+        {
+            0: ar(dtype="float16"),
+            1: ar(dtype="float32"),
+            2: ar(dtype="float64"),
+            3: ar(dtype="float32"),
+        }
+    )
+    assert msg == (
+        "allreduce 't': rank 0 sent dtype 'float16', ranks 1,3 sent dtype "
+        "'float32', rank 2 sent dtype 'float64'"
+    )
 
 
 def test_allgather_first_dim_may_differ_and_first_dims_are_reported_per_rank():
@@ -190,6 +237,7 @@ def test_mismatch_does_not_block_other_names():
 
 
 # ---- join ----
+
 
 def test_joined_ranks_count_as_submitted_for_allreduce():
     table = MessageTable(3)
@@ -239,12 +287,15 @@ def test_a_joined_rank_that_serves_a_prefix_is_waited_for_under_it_only():
     assert j.pending == ("opt.rs",)
 
 
-@pytest.mark.parametrize("req", [
-    ag("t"),
-    Request("t", OpType.BROADCAST, "float32", (2,), root=0),
-    Request("t", OpType.ALLTOALL, "float32", (2,)),
-    Request("t", OpType.REDUCESCATTER, "float32", (4,)),
-])
+@pytest.mark.parametrize(
+    "req",
+    [
+        ag("t"),
+        Request("t", OpType.BROADCAST, "float32", (2,), root=0),
+        Request("t", OpType.ALLTOALL, "float32", (2,)),
+        Request("t", OpType.REDUCESCATTER, "float32", (4,)),
+    ],
+)
 def test_non_allreduce_ops_error_while_ranks_are_joined(req):
     table = MessageTable(3)
     table.add(1, [join_req()])

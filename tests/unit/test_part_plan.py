@@ -9,8 +9,8 @@ from mpidp.engine.backends.parts import FusionBuffers
 from mpidp.engine.fusion import PartPlanner
 from mpidp.engine.messages import OpType, Request, Response
 
-BELOW = 1024        # fuse_below_bytes
-THRESHOLD = 4096    # fusion_threshold_bytes
+BELOW = 1024  # fuse_below_bytes
+THRESHOLD = 4096  # fusion_threshold_bytes
 
 
 def bucket(name, shapes, dtype="float32"):
@@ -36,8 +36,7 @@ def test_small_parts_are_packed_first_and_large_ones_follow_alone_in_order():
 def test_packed_groups_close_at_the_threshold():
     shapes = [(200,)] * 12  # 800 bytes each: five fit under 4096
     groups = PartPlanner()([bucket("b", shapes)], BELOW, THRESHOLD)
-    assert layout(groups) == [(True, [0, 1, 2, 3, 4]), (True, [5, 6, 7, 8, 9]),
-                              (True, [10, 11])]
+    assert layout(groups) == [(True, [0, 1, 2, 3, 4]), (True, [5, 6, 7, 8, 9]), (True, [10, 11])]
 
 
 def test_threshold_zero_reduces_every_part_alone():

@@ -29,10 +29,19 @@ DOCUMENTED = _documented()
 
 
 def test_the_doc_lists_mpidp_and_every_horovod_submodule():
-    assert {"mpidp", "mpidp.torch", "mpidp.torch.compression", "mpidp.torch.elastic",
-            "mpidp.torch.functions", "mpidp.torch.mpi_ops", "mpidp.torch.optimizer",
-            "mpidp.torch.sync_batch_norm", "mpidp.torch.elastic.sampler",
-            "mpidp.torch.elastic.state", "mpidp.common.exceptions"} <= set(DOCUMENTED)
+    assert {
+        "mpidp",
+        "mpidp.torch",
+        "mpidp.torch.compression",
+        "mpidp.torch.elastic",
+        "mpidp.torch.functions",
+        "mpidp.torch.mpi_ops",
+        "mpidp.torch.optimizer",
+        "mpidp.torch.sync_batch_norm",
+        "mpidp.torch.elastic.sampler",
+        "mpidp.torch.elastic.state",
+        "mpidp.common.exceptions",
+    } <= set(DOCUMENTED)
 
 
 @pytest.mark.parametrize("module", sorted(DOCUMENTED))
@@ -42,8 +51,9 @@ def test_all_is_exactly_the_documented_names(module):
     assert len(exported) == len(mod.__all__), f"{module}.__all__ repeats a name"
     missing = sorted(DOCUMENTED[module] - exported)
     extra = sorted(exported - DOCUMENTED[module])
-    assert not missing and not extra, (f"{module}: documented but not exported {missing}; "
-                                       f"exported but not in docs/api.md {extra}")
+    assert not missing and not extra, (
+        f"{module}: documented but not exported {missing}; exported but not in docs/api.md {extra}"
+    )
     absent = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not absent, f"{module}.__all__ names what it lacks: {absent}"
     modules = [n for n in mod.__all__ if isinstance(getattr(mod, n), types.ModuleType)]
@@ -59,8 +69,8 @@ def test_star_import_of_mpidp_torch_brings_only_the_public_names():
 
 def test_horovod_submodules_are_the_submodules_not_mpidp_modules():
     import mpidp.torch as hvd
-    for sub in ("compression", "elastic", "functions", "mpi_ops", "optimizer",
-                "sync_batch_norm"):
+
+    for sub in ("compression", "elastic", "functions", "mpi_ops", "optimizer", "sync_batch_norm"):
         assert getattr(hvd, sub).__name__ == f"mpidp.torch.{sub}"
 
 

@@ -126,8 +126,13 @@ def _random_ops(seed, steps=400):
     names = [f"t{i}" for i in range(12)]
     ops = []
     for _ in range(steps):
-        ops.append((rng.choice(["put", "put", "touch", "evict"]), rng.choice(names),
-                    rng.choice([(4,), (5,)])))
+        ops.append(
+            (
+                rng.choice(["put", "put", "touch", "evict"]),
+                rng.choice(names),
+                rng.choice([(4,), (5,)]),
+            )
+        )
     return ops
 
 

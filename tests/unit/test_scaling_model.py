@@ -29,8 +29,8 @@ def test_ring_cost_limits():
     assert sm.ring_allreduce_time(n, 1, FAB) == 0.0
     assert sm.ring_allreduce_time(n, 2, FAB) == pytest.approx(2 * FAB.alpha + n * FAB.beta)
     # Large p: the bandwidth term tends to 2*n*beta, the latency term grows linearly.
-    big = sm.ring_allreduce_time(n, 10 ** 6, FAB)
-    assert big - 2 * (10 ** 6 - 1) * FAB.alpha == pytest.approx(2 * n * FAB.beta, rel=1e-5)
+    big = sm.ring_allreduce_time(n, 10**6, FAB)
+    assert big - 2 * (10**6 - 1) * FAB.alpha == pytest.approx(2 * n * FAB.beta, rel=1e-5)
     assert sm.ring_allreduce_time(0, 64, FAB) == pytest.approx(2 * 63 * FAB.alpha)
 
 
@@ -40,15 +40,17 @@ def test_halving_doubling_has_the_ring_bandwidth_and_log_latency():
         rd = sm.rd_allreduce_time(0, p, FAB)
         assert rd == pytest.approx(2 * math.log2(p) * FAB.alpha)
         assert rd <= ring
-        assert (sm.rd_allreduce_time(1e8, p, FAB) - rd
-                == pytest.approx(sm.ring_allreduce_time(1e8, p, FAB) - ring))
+        assert sm.rd_allreduce_time(1e8, p, FAB) - rd == pytest.approx(
+            sm.ring_allreduce_time(1e8, p, FAB) - ring
+        )
 
 
 def test_hierarchical_with_one_rank_per_node_is_the_flat_ring():
     intra = sm.PRESETS["nvlink"]
     for p in (2, 64):
         assert sm.hierarchical_allreduce_time(1e7, p, intra, FAB, 1) == pytest.approx(
-            sm.ring_allreduce_time(1e7, p, FAB))
+            sm.ring_allreduce_time(1e7, p, FAB)
+        )
     # With 8 per node the cross latency term shrinks 8-fold; bandwidth across is unchanged.
     flat = sm.ring_allreduce_time(0, 1024, FAB)
     hier = sm.hierarchical_allreduce_time(0, 1024, intra, FAB, 8)
@@ -63,7 +65,7 @@ def test_buckets_cover_every_tensor_once():
     assert plan[-1][0] == len(sizes) - 1
     assert [i for i, _ in plan] == sorted(i for i, _ in plan)
     assert all(b >= 8 for _, b in plan[:-1])
-    assert sm.buckets(sizes, 10 ** 9) == [(len(sizes) - 1, sum(sizes))]
+    assert sm.buckets(sizes, 10**9) == [(len(sizes) - 1, sum(sizes))]
 
 
 @pytest.mark.parametrize("model", ["resnet50", "resnet101"])
@@ -72,8 +74,9 @@ def test_buckets_cover_every_tensor_once():
 @pytest.mark.parametrize("bucket_mb", [1, 25, 1000])
 def test_overlap_never_worse_and_efficiency_at_most_one(model, fabric, p, bucket_mb):
     grads = sm.gradient_bytes(model)
-    plain, over = sm.step_times(grads, 0.2, 2 / 3, bucket_mb * sm.MB,
-                                lambda n: sm.ring_allreduce_time(n, p, fabric))
+    plain, over = sm.step_times(
+        grads, 0.2, 2 / 3, bucket_mb * sm.MB, lambda n: sm.ring_allreduce_time(n, p, fabric)
+    )
     assert 0.2 <= over <= plain + 1e-12
     assert 0 < sm.efficiency(0.2, plain) <= sm.efficiency(0.2, over) <= 1.0
 
@@ -91,14 +94,19 @@ def test_step_model_by_hand():
 
 
 def test_no_communication_gives_efficiency_one():
-    plain, over = sm.step_times(sm.gradient_bytes("resnet50"), 0.3, 0.6, 25 * sm.MB,
-                                lambda n: sm.ring_allreduce_time(n, 1, FAB))
+    plain, over = sm.step_times(
+        sm.gradient_bytes("resnet50"),
+        0.3,
+        0.6,
+        25 * sm.MB,
+        lambda n: sm.ring_allreduce_time(n, 1, FAB),
+    )
     assert plain == over == 0.3
 
 
 def test_fit_recovers_known_alpha_beta():
     rng = np.random.default_rng(0)
-    sizes = [4 * 4 ** k for k in range(13)]
+    sizes = [4 * 4**k for k in range(13)]
     a, b = 6e-6, 1 / 3e9
     times = [(a + b * n) * (1 + 0.01 * rng.standard_normal()) for n in sizes]
     fit = sm.fit_alpha_beta(sizes, times)
@@ -126,8 +134,13 @@ def test_more_ranks_never_raise_efficiency_on_a_ring():
     grads = sm.gradient_bytes("resnet101")
     effs = []
     for p in sm.RANKS:
-        plain, over = sm.step_times(grads, 0.4, 2 / 3, 25 * sm.MB,
-                                    lambda n: sm.ring_allreduce_time(n, p, sm.PRESETS["25gbe"]))
+        plain, over = sm.step_times(
+            grads,
+            0.4,
+            2 / 3,
+            25 * sm.MB,
+            lambda n: sm.ring_allreduce_time(n, p, sm.PRESETS["25gbe"]),
+        )
         effs.append((sm.efficiency(0.4, plain), sm.efficiency(0.4, over)))
     for (a_plain, a_over), (b_plain, b_over) in zip(effs, effs[1:]):
         assert b_plain <= a_plain and b_over <= a_over + 1e-12

@@ -45,6 +45,7 @@ def messages(caplog):
 
 # ---- should_raise ----
 
+
 def test_should_raise_needs_an_op_older_than_the_threshold(clock):
     insp = StallInspector(2, warning_s=10.0, shutdown_s=0.0)
     assert not insp.should_raise(0.0)
@@ -94,6 +95,7 @@ def test_enabled_with_either_limit():
 
 
 # ---- inspect ----
+
 
 def test_inspect_warns_naming_stalled_names_and_missing_ranks(warnings_):
     insp = StallInspector(4, warning_s=10.0, shutdown_s=0.0)
@@ -210,8 +212,10 @@ def test_shutdown_reason_names_every_stalled_op_oldest_first():
     oldest op, which it may never have submitted."""
     insp = StallInspector(3, warning_s=0.0, shutdown_s=5.0)
     reason = insp.inspect({0: [("x", 6.0), ("y", 9.0)], 1: [("x", 6.0)], 2: []}, [])
-    assert reason.startswith("stall: op 'y' waited 9.0 s for ranks 1,2 (submitted by 0), "
-                             "op 'x' waited 6.0 s for ranks 2 (submitted by 0,1);"), reason
+    assert reason.startswith(
+        "stall: op 'y' waited 9.0 s for ranks 1,2 (submitted by 0), "
+        "op 'x' waited 6.0 s for ranks 2 (submitted by 0,1);"
+    ), reason
 
 
 def test_shutdown_reason_names_the_variable_the_user_set(monkeypatch):

@@ -27,8 +27,10 @@ def test_batch_counts_collectives_tensors_bytes_and_time_per_op():
     assert snap["tensors_per_collective"] == 7 / 3
     assert snap["bytes"] == 1000 + 4096 + 12
     assert snap["collective_s"] == 0.875
-    assert snap["by_op"] == {"allreduce": {"collectives": 2, "tensors": 6, "bytes": 5096},
-                             "allgather": {"collectives": 1, "tensors": 1, "bytes": 12}}
+    assert snap["by_op"] == {
+        "allreduce": {"collectives": 2, "tensors": 6, "bytes": 5096},
+        "allgather": {"collectives": 1, "tensors": 1, "bytes": 12},
+    }
 
 
 def test_difference_counts_only_what_happened_in_between():
@@ -48,8 +50,10 @@ def test_difference_counts_only_what_happened_in_between():
     assert diff["tensors_per_collective"] == 1.5
     assert diff["collective_s"] == 0.75 and diff["negotiate_s"] == 2.0
     assert diff["fused_collectives"] == 1
-    assert diff["by_op"] == {"allreduce": {"collectives": 1, "tensors": 2, "bytes": 200},
-                             "broadcast": {"collectives": 1, "tensors": 1, "bytes": 8}}
+    assert diff["by_op"] == {
+        "allreduce": {"collectives": 1, "tensors": 2, "bytes": 200},
+        "broadcast": {"collectives": 1, "tensors": 1, "bytes": 8},
+    }
     assert diff["wall_s"] >= 0.0
 
 
@@ -65,6 +69,7 @@ def test_difference_of_an_idle_window_has_no_ops_and_no_division_by_zero():
 def test_batch_bytes_remembers_sizes_per_response_object():
     from mpidp.engine import fusion
     from mpidp.engine.messages import Request, Response
+
     calls = []
 
     def nbytes(resp):

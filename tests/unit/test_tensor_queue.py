@@ -60,6 +60,7 @@ def test_push_wakes_a_sleeper_unless_told_not_to():
     def sleeper():
         q.sleep(5.0, lambda: False)
         woke.set()
+
     t = threading.Thread(target=sleeper)
     t.start()
     try:

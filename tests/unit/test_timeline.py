@@ -11,13 +11,15 @@ import pytest
 from mpidp.engine import timeline as tlm
 from mpidp.engine.messages import OpType, Request, Response
 
+
 def check_trace_format(events):
     tlm.validate(events)
 
 
 def _entry(name, submitted):
-    return types.SimpleNamespace(request=Request(name, OpType.ALLREDUCE, "float32", (4,)),
-                                 submitted=submitted)
+    return types.SimpleNamespace(
+        request=Request(name, OpType.ALLREDUCE, "float32", (4,)), submitted=submitted
+    )
 
 
 def _resp(name, op=OpType.ALLREDUCE):
@@ -25,8 +27,11 @@ def _resp(name, op=OpType.ALLREDUCE):
 
 
 def _rows(events):
-    return {ev["args"]["name"]: ev["tid"] for ev in events
-            if ev["ph"] == "M" and ev["name"] == "thread_name"}
+    return {
+        ev["args"]["name"]: ev["tid"]
+        for ev in events
+        if ev["ph"] == "M" and ev["name"] == "thread_name"
+    }
 
 
 def _record_two_ops(tl):
@@ -56,10 +61,18 @@ def test_closed_timeline_is_valid_json_with_every_phase(tmp_path):
     rows = _rows(events)
     assert set(rows) == {"a", "b", tlm.CYCLE_ROW}
     assert rows[tlm.CYCLE_ROW] == 0
-    by_row = {name: [ev for ev in events if ev.get("tid") == tid and ev["ph"] != "M"]
-              for name, tid in rows.items()}
-    assert [ev["name"] for ev in by_row["a"] if ev["ph"] == "X"] == \
-        ["queue", "negotiate", "allreduce", "pack", "mpi", "unpack"]
+    by_row = {
+        name: [ev for ev in events if ev.get("tid") == tid and ev["ph"] != "M"]
+        for name, tid in rows.items()
+    }
+    assert [ev["name"] for ev in by_row["a"] if ev["ph"] == "X"] == [
+        "queue",
+        "negotiate",
+        "allreduce",
+        "pack",
+        "mpi",
+        "unpack",
+    ]
     nego = next(ev for ev in by_row["a"] if ev["name"] == "negotiate")
     assert nego["args"]["path"] == "coordinator" and nego["args"]["arrival_order"] == [1, 0]
     arrivals = [ev for ev in by_row["a"] if ev["name"] == "arrive"]
@@ -74,8 +87,11 @@ def test_closed_timeline_is_valid_json_with_every_phase(tmp_path):
     op = next(ev for ev in by_row["b"] if ev["name"] == "allreduce")
     assert op["args"] == {"tensors": 2, "bytes": 32, "batch": ["a", "b"]}
     for name in ("a", "b"):
-        spans = [ev["ts"] for ev in by_row[name] if ev["ph"] == "X"
-                 and ev["name"] in ("queue", "negotiate", "allreduce")]
+        spans = [
+            ev["ts"]
+            for ev in by_row[name]
+            if ev["ph"] == "X" and ev["name"] in ("queue", "negotiate", "allreduce")
+        ]
         assert spans == sorted(spans)
     cycles = [ev for ev in by_row[tlm.CYCLE_ROW]]
     assert [ev["name"] for ev in cycles] == ["cycle"] and cycles[0]["args"] == {"responses": 2}
@@ -93,8 +109,7 @@ def test_without_mark_cycles_there_is_no_cycle_row_and_no_phases(tmp_path):
     events = json.loads(path.read_text())
     check_trace_format(events)
     assert set(_rows(events)) == {"x"}
-    assert {ev["name"] for ev in events if ev["ph"] == "X"} == {"queue", "negotiate",
-                                                               "allreduce"}
+    assert {ev["name"] for ev in events if ev["ph"] == "X"} == {"queue", "negotiate", "allreduce"}
 
 
 def test_times_before_the_start_are_clamped_to_it(tmp_path):
@@ -114,7 +129,7 @@ def test_ops_unknown_to_the_timeline_get_no_queue_or_negotiation(tmp_path):
     path = tmp_path / "tl.json"
     tl = tlm.Timeline(str(path))
     t = time.monotonic()
-    tl.negotiated([_resp("late")], t, "cache")   # drained before the timeline started
+    tl.negotiated([_resp("late")], t, "cache")  # drained before the timeline started
     tl.batch_end([_resp("late")], t, t, 0)
     tl.close()
     tl.close()  # idempotent
@@ -139,7 +154,8 @@ def test_events_after_close_are_dropped_and_the_file_stays_valid(tmp_path):
     tl.close()
     _record_two_ops(tl)
     assert json.loads(path.read_text()) == [
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "mpidp rank 0"}}]
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "mpidp rank 0"}}
+    ]
 
 
 def test_unwritable_path_raises_at_once(tmp_path):
@@ -183,22 +199,27 @@ def test_load_reads_a_closed_file_too(tmp_path):
     assert tlm.load(str(path)) == json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("bad", [
-    {"ph": "B", "name": "x", "pid": 0, "tid": 1, "ts": 0},              # phase we never write
-    {"ph": "X", "name": "x", "pid": 0, "tid": 1, "ts": 0},              # X without dur
-    {"ph": "X", "name": "x", "pid": 0, "tid": 1, "ts": -1, "dur": 1},   # negative time
-    {"ph": "X", "name": "x", "pid": 0, "tid": "1", "ts": 0, "dur": 1},  # tid not an integer
-    {"ph": "i", "name": "x", "pid": 0, "tid": 1, "ts": 0},              # instant without scope
-    {"ph": "M", "name": "thread_name", "pid": 0, "args": {"name": "x"}},  # no tid
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ph": "B", "name": "x", "pid": 0, "tid": 1, "ts": 0},  # phase we never write
+        {"ph": "X", "name": "x", "pid": 0, "tid": 1, "ts": 0},  # X without dur
+        {"ph": "X", "name": "x", "pid": 0, "tid": 1, "ts": -1, "dur": 1},  # negative time
+        {"ph": "X", "name": "x", "pid": 0, "tid": "1", "ts": 0, "dur": 1},  # tid not an integer
+        {"ph": "i", "name": "x", "pid": 0, "tid": 1, "ts": 0},  # instant without scope
+        {"ph": "M", "name": "thread_name", "pid": 0, "args": {"name": "x"}},  # no tid
+    ],
+)
 def test_validate_rejects_events_viewers_cannot_place(bad):
     with pytest.raises(ValueError):
         tlm.validate([bad])
 
 
 def test_validate_rejects_spans_that_overlap_without_nesting():
-    row = [{"ph": "X", "name": "a", "pid": 0, "tid": 1, "ts": 0, "dur": 10},
-           {"ph": "X", "name": "b", "pid": 0, "tid": 1, "ts": 5, "dur": 10}]
+    row = [
+        {"ph": "X", "name": "a", "pid": 0, "tid": 1, "ts": 0, "dur": 10},
+        {"ph": "X", "name": "b", "pid": 0, "tid": 1, "ts": 5, "dur": 10},
+    ]
     with pytest.raises(ValueError, match="overlaps"):
         tlm.validate(row)
     row[1]["tid"] = 2  # on another row they may overlap
@@ -224,6 +245,7 @@ time.sleep(60)
 
 def test_a_job_killed_mid_run_leaves_a_timeline_viewers_can_read(tmp_path):
     from integration.launch import clean_shm, run, shm_files
+
     script = tmp_path / "job.py"
     script.write_text(_JOB)
     path = tmp_path / "tl.json"

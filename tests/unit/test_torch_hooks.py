@@ -41,6 +41,7 @@ def test_process_group_and_work_subclass_in_python():
 
 def test_import_registers_mpidp_and_mpi_resolves_to_it():
     import mpidp.distributed
+
     assert "mpidp" in dist.Backend.backend_list
     if not mpidp.distributed.torch_has_mpi():
         assert dist.Backend("mpidp") == dist.Backend.MPI and dist.is_mpi_available()

@@ -27,6 +27,7 @@ def built() -> Dict[str, bool]:
     """What torch brings: gloo/nccl built in, CUDA built and present. Touches no MPI, so the
     `*_built()` queries may run before init() (importing mpi4py.MPI would initialise MPI)."""
     import torch.distributed as dist
+
     dist_ok = dist.is_available()
     return {
         "gloo": bool(dist_ok and dist.is_gloo_available()),
@@ -40,6 +41,7 @@ def available() -> Dict[str, Optional[bool]]:
     """built(), and whether MPI accepts CUDA buffers (None: the library cannot tell). Local, no
     communication; needs MPI initialised."""
     from .. import mpi_library
+
     return dict(built(), cuda_aware_mpi=mpi_library.cuda_aware_support())
 
 
@@ -64,7 +66,7 @@ class Dispatch:
 
     def __init__(self, routes: dict, names: dict):
         self.routes = routes  # device kind -> backend
-        self.names = names    # device kind -> human-readable path name (logs, doctor)
+        self.names = names  # device kind -> human-readable path name (logs, doctor)
 
     def _innermost(self):
         for backend in self.routes.values():
@@ -83,8 +85,10 @@ class Dispatch:
         kind = batch[0].request.device.split(":")[0] if batch[0].request else "cpu"
         backend = self.routes.get(kind)
         if backend is None:
-            raise MpidpError(f"no data path for {kind} tensors in this process (paths: "
-                             f"{self.names}); see docs/data_paths.md")
+            raise MpidpError(
+                f"no data path for {kind} tensors in this process (paths: "
+                f"{self.names}); see docs/data_paths.md"
+            )
         return backend.execute(batch, entries, *fusion_limits)
 
     def allreduce_one(self, entry) -> Optional[list]:
@@ -111,19 +115,23 @@ def make_backend(comms, config):
     before the engine thread starts.
     """
     from .host import HostBackend
+
     avail = available() if config.backend != "mpi" else {}
     choice = config.backend
     gpu = torch.cuda.is_available()
     if choice == "gloo" and not avail["gloo"]:
         raise ConfigError("MPIDP_BACKEND=gloo: this torch was built without gloo")
     if choice == "nccl" and not (avail["nccl"] and gpu):
-        raise ConfigError("MPIDP_BACKEND=nccl needs a torch built with NCCL and a visible GPU "
-                          f"(nccl built: {avail['nccl']}, GPU: {gpu}); use mpi or gloo")
+        raise ConfigError(
+            "MPIDP_BACKEND=nccl needs a torch built with NCCL and a visible GPU "
+            f"(nccl built: {avail['nccl']}, GPU: {gpu}); use mpi or gloo"
+        )
     host = HostBackend(comms, config)
     routes, names = {"cpu": host}, {"cpu": "mpi"}
     gloo = None
     if choice == "gloo":
         from .torchdist import ProcessGroupBackend, open_group
+
         gloo = ProcessGroupBackend(comms, config, *open_group(comms, config, "gloo"))
         routes["cpu"], names["cpu"] = gloo, "gloo"
     if gpu:
@@ -133,10 +141,12 @@ def make_backend(comms, config):
 
 def _cuda_route(comms, config, choice, avail, host, gloo):
     from . import cuda
+
     if choice == "gloo":
         return cuda.StagedBackend(gloo), "gloo (staged through host memory)"
     if choice == "nccl" or (choice == "auto" and avail.get("nccl")):
         from .torchdist import ProcessGroupBackend, open_group
+
         nccl = ProcessGroupBackend(comms, config, *open_group(comms, config, "nccl"))
         return cuda.StreamOrdered(nccl), "nccl"
     if cuda.cuda_aware_mpi(config.cuda_aware_mpi):

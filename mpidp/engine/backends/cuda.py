@@ -17,9 +17,9 @@ from typing import List, Optional
 import torch
 
 from .. import mpi_library
-from .parts import local_device
 from ..messages import Response
 from ..tensor_queue import Entry
+from .parts import local_device
 
 
 def cuda_aware_mpi(setting: str) -> bool:
@@ -51,8 +51,9 @@ class StreamOrdered:
     def __init__(self, inner):
         self.inner = inner
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
-                *fusion_limits) -> list:
+    def execute(
+        self, batch: List[Response], entries: List[Optional[Entry]], *fusion_limits
+    ) -> list:
         """Run one batch on device memory. Synchronization: the device, then the inner backend's
         collectives, then the engine thread's stream."""
         device = local_device(batch, entries)
@@ -86,10 +87,13 @@ class StagedBackend:
         and viewed there as the parts again; results come back the same way (_back)."""
         flat = torch.cat([t.reshape(-1) for t in entry.tensor])
         host = self._to_host(flat)
-        views = [v.view(t.shape) for v, t in zip(host.split([t.numel() for t in entry.tensor]),
-                                                 entry.tensor)]
-        return Entry(entry.request._replace(device="cpu"), views, views, entry.extra,
-                     entry.cache_key)
+        views = [
+            v.view(t.shape)
+            for v, t in zip(host.split([t.numel() for t in entry.tensor]), entry.tensor)
+        ]
+        return Entry(
+            entry.request._replace(device="cpu"), views, views, entry.extra, entry.cache_key
+        )
 
     def _host_entry(self, entry: Optional[Entry]) -> Optional[Entry]:
         if entry is None:
@@ -100,10 +104,15 @@ class StagedBackend:
         if entry.output is None or entry.output is entry.tensor:
             output = None if entry.output is None else tensor
         else:  # every op with a separate output overwrites it: no need to copy it over
-            output = torch.empty(entry.output.shape, dtype=entry.output.dtype, device="cpu",
-                                 pin_memory=self.pin_memory)
-        return Entry(entry.request._replace(device="cpu"), tensor, output, entry.extra,
-                     entry.cache_key)
+            output = torch.empty(
+                entry.output.shape,
+                dtype=entry.output.dtype,
+                device="cpu",
+                pin_memory=self.pin_memory,
+            )
+        return Entry(
+            entry.request._replace(device="cpu"), tensor, output, entry.extra, entry.cache_key
+        )
 
     def _back(self, result, host_entry: Optional[Entry], entry: Optional[Entry], device):
         if isinstance(result, list):  # allreduce parts: one copy of the whole bucket back
@@ -122,14 +131,16 @@ class StagedBackend:
             return entry.output
         return result.to(device)
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
-                *fusion_limits) -> list:
+    def execute(
+        self, batch: List[Response], entries: List[Optional[Entry]], *fusion_limits
+    ) -> list:
         """Run one device batch through host memory. Synchronization: the device, the host
         backend's collectives, then the copies back."""
         device = local_device(batch, entries)
         wait_producers(device)
-        host_batch = [r._replace(request=r.request._replace(device="cpu")) if r.request else r
-                      for r in batch]
+        host_batch = [
+            r._replace(request=r.request._replace(device="cpu")) if r.request else r for r in batch
+        ]
         host_entries = [self._host_entry(e) for e in entries]
         results = self.inner.execute(host_batch, host_entries, *fusion_limits)
         out = [self._back(r, h, e, device) for r, h, e in zip(results, host_entries, entries)]

@@ -22,12 +22,15 @@ def usable(comms, config) -> bool:
         return False
     local, nodes = comms.local.Get_size(), comms.cross.Get_size()
     if not comms.homogeneous:
-        logger.debug("hierarchical allreduce off: ranks per node differ (%s); using the flat "
-                     "allreduce", comms.local_sizes)
+        logger.debug(
+            "hierarchical allreduce off: ranks per node differ (%s); using the flat allreduce",
+            comms.local_sizes,
+        )
         return False
     if local == 1 or nodes == 1:
-        logger.debug("hierarchical allreduce off: %d node(s) of %d rank(s) need no hierarchy",
-                     nodes, local)
+        logger.debug(
+            "hierarchical allreduce off: %d node(s) of %d rank(s) need no hierarchy", nodes, local
+        )
         return False
     return True
 
@@ -45,8 +48,11 @@ def allreduce(comms, send, recv, op, busy=None, network: bool = False) -> None:
     main = n - n % lsize
     if main:
         block = main // lsize
-        part = (recv.new_empty(block) if isinstance(recv, torch.Tensor)
-                else np.empty(block, dtype=recv.dtype))
+        part = (
+            recv.new_empty(block)
+            if isinstance(recv, torch.Tensor)
+            else np.empty(block, dtype=recv.dtype)
+        )
         mpi.reduce_scatter_block(local, (recv if send is None else send)[:main], part, op)
         mpi.allreduce(comms.cross, None, part, op, busy, network)
         mpi.allgather(local, part, recv[:main])

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from .. import adasum, dtypes, fusion, half, mpi, scaling
-from . import hierarchy, parts
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
+from . import hierarchy, parts
 
 
 def _np(t: torch.Tensor):
@@ -61,8 +61,9 @@ class HostBackend:
         # Chunks pay where a reduction is memory copies that fall out of cache; across hosts
         # each chunk is a collective of its own whose start and end leave the link idle
         # (64 MB at 1 Gbit/s: 0.78 of the link in 4 MiB chunks, 0.98 whole; BENCHMARKS.md).
-        self.chunk_bytes = config.chunk_bytes if not self.network \
-            or "chunk_bytes" in config.explicit else 0
+        self.chunk_bytes = (
+            config.chunk_bytes if not self.network or "chunk_bytes" in config.explicit else 0
+        )
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
         self.stats = None  # set by the engine: its EngineStats (wire_bytes is counted here)
@@ -87,10 +88,14 @@ class HostBackend:
     def _reduce_flat(self, send: Optional[torch.Tensor], recv: torch.Tensor, req) -> None:
         """Allreduce a contiguous tensor into `recv` (in place when send is None), then scale it."""
         recv_np = _np(recv)
-        self._reduce_np(None if send is None else _np(send), recv_np, recv,
-                        half.mpi_reduce_op(recv.dtype, req.reduce_op),
-                        scaling.after_factor(req.reduce_op, req.postscale, self.size),
-                        self.chunk_bytes // recv_np.itemsize)
+        self._reduce_np(
+            None if send is None else _np(send),
+            recv_np,
+            recv,
+            half.mpi_reduce_op(recv.dtype, req.reduce_op),
+            scaling.after_factor(req.reduce_op, req.postscale, self.size),
+            self.chunk_bytes // recv_np.itemsize,
+        )
 
     def _reduce_np(self, send, recv, out: torch.Tensor, op, post: float, step: int) -> None:
         """Allreduce flat buffers (`send=None`: in place), hierarchically when enabled, in
@@ -103,8 +108,9 @@ class HostBackend:
         """
         if self.stats is not None:  # _wire(), inline
             self.stats.wire_bytes += recv.nbytes
-        call, comm = (hierarchy.allreduce, self.comms) if self.hierarchical \
-            else (mpi.allreduce, self.comm)
+        call, comm = (
+            (hierarchy.allreduce, self.comms) if self.hierarchical else (mpi.allreduce, self.comm)
+        )
         n = recv.size
         if step <= 0 or n <= step:
             call(comm, send, recv, op, self.busy, self.network)
@@ -115,8 +121,14 @@ class HostBackend:
             out = out.view(-1)  # the chunks below are flat slices
         for lo in range(0, n, step):
             hi = lo + step
-            call(comm, None if send is None else send[lo:hi], recv[lo:hi], op, self.busy,
-                 self.network)
+            call(
+                comm,
+                None if send is None else send[lo:hi],
+                recv[lo:hi],
+                op,
+                self.busy,
+                self.network,
+            )
             if post != 1.0:
                 scaling.scale_(out[lo:hi], post)
 
@@ -142,12 +154,19 @@ class HostBackend:
         self._allreduce_alone(entry.tensor[0], entry.output[0], entry.request)
         return entry.output
 
-    def _allreduce_packed(self, group: fusion.PartGroup, srcs: List[torch.Tensor],
-                          outs: List[torch.Tensor], req, device) -> None:
+    def _allreduce_packed(
+        self,
+        group: fusion.PartGroup,
+        srcs: List[torch.Tensor],
+        outs: List[torch.Tensor],
+        req,
+        device,
+    ) -> None:
         """The parts of `group` packed into the persistent fusion buffer, reduced as one."""
         idx = group.idx
-        flat, views = self._fusion.views(group, self.reduce_dtype(srcs[idx[0]].dtype, device),
-                                         device)
+        flat, views = self._fusion.views(
+            group, self.reduce_dtype(srcs[idx[0]].dtype, device), device
+        )
         torch._foreach_copy_(views, [srcs[i] for i in idx])  # casts to the wide dtype too
         if req.prescale != 1.0:
             scaling.scale_(flat, req.prescale)
@@ -158,8 +177,9 @@ class HostBackend:
             self.timeline_mark("mpi")
         torch._foreach_copy_([outs[i] for i in idx], views)
 
-    def allreduce_batch(self, batch: List[Response], entries: List[Optional[Entry]],
-                        fuse_below: int, threshold: int) -> list:
+    def allreduce_batch(
+        self, batch: List[Response], entries: List[Optional[Entry]], fuse_below: int, threshold: int
+    ) -> list:
         """Every part of every op of the batch: small parts packed (at most `threshold` bytes a
         buffer), large ones reduced in place; one result (the list of outputs) per op.
         A joined rank (entry None) reduces zeros of the agreed shapes."""
@@ -168,8 +188,12 @@ class HostBackend:
         if req.reduce_op == ReduceOp.ADASUM:  # every data path's Adasum: adasum.py
             adasum.reduce_parts(self, srcs, outs, req, threshold)
             return results
-        plain = self.NUMPY_PARTS and req.prescale == 1.0 and device.type == "cpu" \
+        plain = (
+            self.NUMPY_PARTS
+            and req.prescale == 1.0
+            and device.type == "cpu"
             and srcs[0].dtype not in dtypes.MPI_VIEW
+        )
         if plain:  # what each large part needs is the same for all: worked out once
             op = mpi.mpi_op(req.reduce_op, srcs[0].dtype == torch.bool)
             post = scaling.after_factor(req.reduce_op, req.postscale, self.size)
@@ -180,8 +204,7 @@ class HostBackend:
             elif plain:
                 for i in group.idx:
                     src, out = srcs[i], outs[i]
-                    self._reduce_np(None if src is out else _np(src), _np(out), out, op, post,
-                                    step)
+                    self._reduce_np(None if src is out else _np(src), _np(out), out, op, post, step)
                 if self.timeline_mark:
                     self.timeline_mark("mpi")
             else:
@@ -216,7 +239,7 @@ class HostBackend:
         mine[: t.shape[0]].copy_(t)
         self._wire(mine.numel() * mine.element_size())
         mpi.allgather(self.comm, _np(mine), _np(padded))
-        torch.cat([padded[r * most: r * most + d] for r, d in enumerate(dims)], out=out)
+        torch.cat([padded[r * most : r * most + d] for r, d in enumerate(dims)], out=out)
         return out
 
     def broadcast(self, resp: Response, entry: Entry):
@@ -237,8 +260,13 @@ class HostBackend:
         out = t.new_empty((int(recv_splits.sum()),) + tuple(t.shape[1:]))
         send = _np(t)[: int(np.sum(splits)) * row]
         self._wire(send.nbytes)
-        mpi.alltoallv(self.comm, send, np.asarray(splits, np.int64) * row, _np(out),
-                      recv_splits.astype(np.int64) * row)
+        mpi.alltoallv(
+            self.comm,
+            send,
+            np.asarray(splits, np.int64) * row,
+            _np(out),
+            recv_splits.astype(np.int64) * row,
+        )
         return out, torch.from_numpy(recv_splits.copy())
 
     def reducescatter(self, resp: Response, entry: Entry):
@@ -252,28 +280,33 @@ class HostBackend:
         work = scaling.work_copy(t, wide, req)
         out = entry.output
         if out is None or wide is not dtype:
-            out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide,
-                              device=t.device)
+            out = torch.empty((rows[self.rank],) + tuple(t.shape[1:]), dtype=wide, device=t.device)
         op = half.mpi_reduce_op(wide, req.reduce_op)
         self._wire(work.numel() * work.element_size())
-        mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out),
-                           [r * row for r in rows], op)
+        mpi.reduce_scatter(self.comm, _np(work.contiguous()), _np(out), [r * row for r in rows], op)
         self._scale_after(out, req)
         return into_output(entry, out if wide is dtype else out.to(dtype))
 
     # ---- dispatch ----
 
-    def execute(self, batch: List[Response], entries: List[Optional[Entry]],
-                fuse_below: Optional[int] = None, threshold: Optional[int] = None) -> list:
+    def execute(
+        self,
+        batch: List[Response],
+        entries: List[Optional[Entry]],
+        fuse_below: Optional[int] = None,
+        threshold: Optional[int] = None,
+    ) -> list:
         """Run one batch; returns one result per response (the op's value). `fuse_below` and
         `threshold` (the engine's current fusion knobs; default: the config's) group the
         parts of an allreduce. Synchronization: this batch's collectives."""
         resp = batch[0]
         if resp.op == OpType.ALLREDUCE:
             return self.allreduce_batch(
-                batch, entries,
+                batch,
+                entries,
                 self.config.fuse_below_bytes if fuse_below is None else fuse_below,
-                self.config.fusion_threshold_bytes if threshold is None else threshold)
+                self.config.fusion_threshold_bytes if threshold is None else threshold,
+            )
         if resp.op == OpType.BARRIER:
             return [None]
         entry = entries[0]

@@ -34,8 +34,7 @@ def gather(batch: List[Response], entries: List[Optional[Entry]]):
     srcs, outs, results = [], [], []
     for resp, entry in zip(batch, entries):
         if entry is None:
-            zeros = [torch.zeros(s, dtype=dtype, device=device)
-                     for s in part_shapes(resp.request)]
+            zeros = [torch.zeros(s, dtype=dtype, device=device) for s in part_shapes(resp.request)]
             srcs += zeros
             outs += zeros
             results.append(zeros)
@@ -68,7 +67,7 @@ class FusionBuffers:
             grown = 2 * buf.numel() if buf is not None else 1024
             buf = torch.empty(max(group.total, grown), dtype=dtype, device=device)
             self._bufs[(dtype, device)] = buf
-        flat = buf[:group.total]
+        flat = buf[: group.total]
         views = [v.view(s) for v, s in zip(flat.split(group.numels), group.shapes)]
         group.bound = (buf, flat, views)
         return flat, views

@@ -23,7 +23,7 @@ dtype works. Allgather with different first dims pads each rank's rows to the la
 alltoall exchanges split counts over MPI (host integers) and moves the rows with
 `alltoall_base`; reducescatter passes the uneven per-rank chunks (first dim0 % size ranks get
 one extra row) as a list. With gloo all of this runs on CPU and is tested; with NCCL the same
-code runs on CUDA tensors and has never run (no GPU). """
+code runs on CUDA tensors and has never run (no GPU)."""
 
 import datetime
 import math
@@ -36,10 +36,9 @@ import torch.distributed as dist
 
 from ...errors import MpidpError
 from ...log import logger
-from .. import mpi
+from .. import dtypes, mpi, scaling
 from ..messages import ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
-from .. import dtypes, scaling
 from .host import HostBackend, uneven_counts
 
 _STORE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -51,12 +50,21 @@ def _pg_op(reduce_op: int, is_bool: bool):
     if is_bool:
         if op == ReduceOp.BXOR:
             return dist.ReduceOp.BXOR  # on 0/1 bytes: logical xor
-        return dist.ReduceOp.MIN if op in (ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND) \
+        return (
+            dist.ReduceOp.MIN
+            if op in (ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BAND)
             else dist.ReduceOp.MAX
-    return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
-            ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
-            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT, ReduceOp.BAND: dist.ReduceOp.BAND,
-            ReduceOp.BOR: dist.ReduceOp.BOR, ReduceOp.BXOR: dist.ReduceOp.BXOR}[op]
+        )
+    return {
+        ReduceOp.SUM: dist.ReduceOp.SUM,
+        ReduceOp.AVERAGE: dist.ReduceOp.SUM,
+        ReduceOp.MIN: dist.ReduceOp.MIN,
+        ReduceOp.MAX: dist.ReduceOp.MAX,
+        ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+        ReduceOp.BAND: dist.ReduceOp.BAND,
+        ReduceOp.BOR: dist.ReduceOp.BOR,
+        ReduceOp.BXOR: dist.ReduceOp.BXOR,
+    }[op]
 
 
 def _rows_as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -82,15 +90,16 @@ def open_group(comms, config, kind: str):
         try:
             # A name that does not resolve leaves the others retrying to connect for minutes.
             socket.getaddrinfo(host, None)
-            store = dist.TCPStore(host, 0, comms.size, True, _STORE_TIMEOUT,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(host, 0, comms.size, True, _STORE_TIMEOUT, wait_for_workers=False)
             announce = (host, store.port, "")
         except Exception as exc:  # every rank must learn of it, or they wait for the store
             announce = (host, 0, f"rank 0 could not start a TCPStore on {host!r}: {exc}")
     host, port, error = mpi.bcast_object(comms.world, announce, 0)
     if error:
-        raise MpidpError(f"{kind} process group: {error}; set MPIDP_RENDEZVOUS_HOST to an "
-                         f"address of rank 0 that every rank can reach")
+        raise MpidpError(
+            f"{kind} process group: {error}; set MPIDP_RENDEZVOUS_HOST to an "
+            f"address of rank 0 that every rank can reach"
+        )
     if comms.rank != 0:
         store = dist.TCPStore(host, port, comms.size, False, _STORE_TIMEOUT)
     assert store is not None  # rank 0 made it, or said why not above
@@ -167,8 +176,7 @@ class ProcessGroupBackend(HostBackend):
         self._wire(mine.numel())
         self.group.allgather([gathered], [mine]).wait()
         out = t.new_empty((sum(dims),) + tuple(t.shape[1:]))
-        torch.cat([g[:d] for g, d in zip(gathered, dims)],
-                  out=_rows_as_bytes(out, out.shape[0]))
+        torch.cat([g[:d] for g, d in zip(gathered, dims)], out=_rows_as_bytes(out, out.shape[0]))
         return out
 
     def broadcast(self, resp: Response, entry: Entry):
@@ -192,9 +200,12 @@ class ProcessGroupBackend(HostBackend):
         sent = int(splits.sum())
         out = t.new_empty((int(recv_splits.sum()),) + tuple(t.shape[1:]))
         self._wire(t[:sent].numel() * t.element_size())
-        self.group.alltoall_base(_rows_as_bytes(out, out.shape[0]),
-                                 _rows_as_bytes(t[:sent], sent),
-                                 [int(x) for x in recv_splits], [int(x) for x in splits]).wait()
+        self.group.alltoall_base(
+            _rows_as_bytes(out, out.shape[0]),
+            _rows_as_bytes(t[:sent], sent),
+            [int(x) for x in recv_splits],
+            [int(x) for x in splits],
+        ).wait()
         return out, torch.from_numpy(recv_splits.copy())
 
     def reducescatter(self, resp: Response, entry: Entry):
@@ -217,7 +228,6 @@ class ProcessGroupBackend(HostBackend):
             out = out.to(dtype)  # wrap to int16 before scaling, as the MPI path reduces in int16
         self._scale_after(out, req)
         return into_output(entry, out if out.dtype == dtype else out.to(dtype))
-
 
 
 def _reduce_scatter_options(req, is_bool: bool):

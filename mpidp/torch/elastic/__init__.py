@@ -3,5 +3,9 @@
 from ...state.elastic import ElasticSampler, ObjectState, State, TorchState, run
 
 __all__ = [
-    "ElasticSampler", "ObjectState", "run", "State", "TorchState",
+    "ElasticSampler",
+    "ObjectState",
+    "run",
+    "State",
+    "TorchState",
 ]

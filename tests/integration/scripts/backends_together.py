@@ -27,8 +27,9 @@ expected = float(sum(range(n)))
 
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                               named_parameters=model.named_parameters())
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+)
 ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), process_group=ours)
 x = torch.randn(8, 4, generator=torch.Generator().manual_seed(r))
 model(x).sum().backward()
@@ -41,10 +42,18 @@ same_ddp = all(torch.allclose(g, p.grad) for g, p in zip(grads, ddp.parameters()
 weights = hvd.allgather(model.weight.detach()[None])
 same_hvd = all(torch.equal(weights[0], w) for w in weights)
 
-ok = (t_gloo.tolist() == [expected] * 4 and t_ours.tolist() == [expected] * 4
-      and same_ddp and same_hvd and mpidp.size() == n)
-print(f"rank {r}: gloo {t_gloo[0].item()} mpidp group {t_ours[0].item()} ddp-equal {same_ddp} "
-      f"hvd-equal {same_hvd} ok {ok}", flush=True)
+ok = (
+    t_gloo.tolist() == [expected] * 4
+    and t_ours.tolist() == [expected] * 4
+    and same_ddp
+    and same_hvd
+    and mpidp.size() == n
+)
+print(
+    f"rank {r}: gloo {t_gloo[0].item()} mpidp group {t_ours[0].item()} ddp-equal {same_ddp} "
+    f"hvd-equal {same_hvd} ok {ok}",
+    flush=True,
+)
 dist.destroy_process_group(ours)
 dist.destroy_process_group()
 hvd.shutdown()

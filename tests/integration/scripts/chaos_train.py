@@ -18,8 +18,11 @@ import mpidp.checkpoint
 parser = argparse.ArgumentParser()
 parser.add_argument("--checkpoint", required=True)
 parser.add_argument("--steps", type=int, default=8)
-parser.add_argument("--fault", default="none",
-                    choices=["none", "kill", "term", "raise", "datapath", "stall", "disk"])
+parser.add_argument(
+    "--fault",
+    default="none",
+    choices=["none", "kill", "term", "raise", "datapath", "stall", "disk"],
+)
 parser.add_argument("--fault-rank", type=int, default=1)
 parser.add_argument("--fault-step", type=int, default=3)
 parser.add_argument("--tag", default="", help="marks this job's processes for the orphan check")
@@ -28,10 +31,13 @@ args = parser.parse_args()
 mpidp.init()
 rank = mpidp.rank()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                            torch.nn.Linear(32, 4))
-opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                 named_parameters=model.named_parameters())
+model = torch.nn.Sequential(
+    torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4)
+)
+opt = mpidp.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    named_parameters=model.named_parameters(),
+)
 mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
 start = 0
 if os.path.exists(args.checkpoint):
@@ -41,8 +47,11 @@ if os.path.exists(args.checkpoint):
 
 def fault() -> None:
     # The runner times the job's end from this line.
-    print(f"chaos: {args.fault} on rank {rank} ({socket.gethostname()}) at step {args.fault_step} "
-          f"at {time.time():.3f}", flush=True)
+    print(
+        f"chaos: {args.fault} on rank {rank} ({socket.gethostname()}) at step {args.fault_step} "
+        f"at {time.time():.3f}",
+        flush=True,
+    )
     if args.fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if args.fault == "term":
@@ -57,6 +66,7 @@ def fault() -> None:
 
         def broken(*_args, **_kwargs):
             raise MemoryError("injected failure in the data path")
+
         host._allreduce_packed = broken
     if args.fault == "disk":
         # Fill the checkpoint's file system (a small tmpfs) so this step's save finds no room.

@@ -24,16 +24,19 @@ def setup():
     x = torch.randn(200, 8, generator=data)
     y = (x @ torch.randn(8, 1, generator=data)).tanh()
     dataset = torch.utils.data.TensorDataset(x, y)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                                torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+    )
     mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = mpidp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                     named_parameters=model.named_parameters())
+    opt = mpidp.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+    )
     sampler = ElasticSampler(dataset, shuffle=True, seed=5)
     # Its own generator: a DataLoader otherwise draws from torch's global one for every new
     # iterator, which a mid-epoch resume would draw once more than the uninterrupted run.
-    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler,
-                                         generator=torch.Generator())
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator()
+    )
     return model, opt, sampler, loader
 
 

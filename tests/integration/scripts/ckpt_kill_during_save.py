@@ -49,7 +49,8 @@ try:
     rest = checkpoint.load(path)
     loaded = rest["tensors"]
     ok = set(loaded) == set(tensors(0)) and all(
-        torch.equal(t, torch.full_like(t, float(rest["version"]))) for t in loaded.values())
+        torch.equal(t, torch.full_like(t, float(rest["version"]))) for t in loaded.values()
+    )
     print(f"rank {rank}: loaded version {rest['version']} consistent {ok}", flush=True)
 except checkpoint.CheckpointNotFoundError:
     print(f"rank {rank}: no checkpoint yet", flush=True)

@@ -8,10 +8,10 @@ import os
 import signal
 import sys
 
+from ckpt_common import seed_rank, setup, step, write_result
+
 import mpidp
 from mpidp import elastic
-
-from ckpt_common import seed_rank, setup, step, write_result
 
 steps, every, die_at = (int(a) for a in sys.argv[1:4])
 out = sys.argv[4]

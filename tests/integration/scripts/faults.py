@@ -12,8 +12,9 @@ import torch
 import mpidp
 
 parser = argparse.ArgumentParser()
-parser.add_argument("mode", choices=["none", "raise", "kill", "stall", "engine", "engine_caught",
-                                     "datapath"])
+parser.add_argument(
+    "mode", choices=["none", "raise", "kill", "stall", "engine", "engine_caught", "datapath"]
+)
 parser.add_argument("--rank", type=int, default=1)
 parser.add_argument("--step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=10)
@@ -23,15 +24,17 @@ mpidp.init()
 rank, size = mpidp.rank(), mpidp.size()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters())
+opt = mpidp.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+)
 mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
 data = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
 
 
 def fault() -> None:
-    print(f"rank {rank}: injecting {args.mode} at step {args.step} at {time.time():.3f}",
-          flush=True)
+    print(
+        f"rank {rank}: injecting {args.mode} at step {args.step} at {time.time():.3f}", flush=True
+    )
     if args.mode == "raise":
         raise RuntimeError(f"injected failure on rank {rank} at step {args.step}")
     if args.mode == "kill":
@@ -43,6 +46,7 @@ def fault() -> None:
 
         def broken_cycle(*args):
             raise OSError("injected engine failure")
+
         engine._cycle = broken_cycle
         time.sleep(0.5)  # let the engine thread reach its next cycle and die
         # Later ops on this rank must fail at once with the engine's error, not wait.
@@ -54,12 +58,12 @@ def fault() -> None:
                 raise
             sys.exit(0)  # quietly: no excepthook runs, only shutdown() at exit
 
-
     if args.mode == "datapath":
         host = mpidp.runtime.world.state().engine.backend.routes["cpu"]
 
         def broken_pack(*_args, **_kwargs):
             raise MemoryError("injected failure while packing a fusion buffer")
+
         host._allreduce_packed = broken_pack  # the gradients are small: they are packed
 
 

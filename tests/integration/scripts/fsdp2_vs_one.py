@@ -43,11 +43,15 @@ for _ in range(steps):
         F.cross_entropy(model(xs), ys).backward()
         opt.step()
 
-diff = max((p.full_tensor() - q).abs().max().item()
-           for p, q in zip(sharded.parameters(), one.parameters()))
+diff = max(
+    (p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(), one.parameters())
+)
 moved = max((q - p0).abs().max().item() for q, p0 in zip(one.parameters(), start.parameters()))
 dist.destroy_process_group()
 if rank == 0:
-    print(f"fsdp2 vs one process after {steps} steps: max |diff| {diff:.3g}, moved {moved:.3g} "
-          f"on {size} rank(s)", flush=True)
+    print(
+        f"fsdp2 vs one process after {steps} steps: max |diff| {diff:.3g}, moved {moved:.3g} "
+        f"on {size} rank(s)",
+        flush=True,
+    )
 sys.exit(0 if diff <= TOLERANCE and moved > 1000 * TOLERANCE else 1)

@@ -16,8 +16,9 @@ args = parser.parse_args()
 
 mpidp.init()
 model = torch.nn.Linear(64, 64)
-opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                 named_parameters=model.named_parameters())
+opt = mpidp.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+)
 print(f"ready {mpidp.rank()} {os.getpid()}", flush=True)
 
 

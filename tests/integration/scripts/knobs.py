@@ -18,6 +18,7 @@ except mpidp.ConfigError as exc:
     print(f"rank {rank}: ConfigError: {str(exc)[:80]}", flush=True)
     # The launcher kills the job when the first rank exits non-zero: let every rank print first.
     from mpi4py import MPI
+
     MPI.COMM_WORLD.Barrier()
     sys.exit(3)
 print(f"rank {rank}: initialised", flush=True)

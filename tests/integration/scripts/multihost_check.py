@@ -16,9 +16,9 @@ import socket
 import sys
 
 import torch
+from proc_sockets import socket_inodes  # this script's directory is on sys.path
 
 import mpidp
-from proc_sockets import socket_inodes  # this script's directory is on sys.path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("hosts")
@@ -54,8 +54,10 @@ check(not os.environ.get("MPIDP_SIMULATED_LOCAL_SIZE"), "simulated nodes in a mu
 # -- the allreduce path --------------------------------------------------------------------------
 # The data path the engine picked for CPU tensors (MPI on host memory here).
 cpu_path = mpidp.runtime.world.state().engine.backend.routes["cpu"]
-check(cpu_path.hierarchical == args.hierarchical,
-      f"engine hierarchical={cpu_path.hierarchical}, expected {args.hierarchical}")
+check(
+    cpu_path.hierarchical == args.hierarchical,
+    f"engine hierarchical={cpu_path.hierarchical}, expected {args.hierarchical}",
+)
 
 # -- collectives ---------------------------------------------------------------------------------
 # Lengths that the local size divides and that it does not (the hierarchy's flat tail), small
@@ -69,11 +71,15 @@ for n in (1, 3, 1000, 1 << 20):
     check(torch.allclose(avg.double(), total / size), f"allreduce Average of {n}")
 ints = mpidp.allreduce(torch.tensor([rank, -rank], dtype=torch.int64), op=mpidp.Max, name="max")
 check(ints.tolist() == [size - 1, 0], f"allreduce Max {ints.tolist()}")
-handles = [mpidp.allreduce_async(torch.full((17,), float(rank * i)), op=mpidp.Sum,
-                                  name=f"fused.{i}") for i in range(8)]
+handles = [
+    mpidp.allreduce_async(torch.full((17,), float(rank * i)), op=mpidp.Sum, name=f"fused.{i}")
+    for i in range(8)
+]
 for i, h in enumerate(handles):
-    check(torch.equal(mpidp.synchronize(h), torch.full((17,), float(i * size * (size - 1) / 2))),
-          f"fused allreduce {i}")
+    check(
+        torch.equal(mpidp.synchronize(h), torch.full((17,), float(i * size * (size - 1) / 2))),
+        f"fused allreduce {i}",
+    )
 
 gathered = mpidp.allgather(torch.full((rank + 1, 2), float(rank)), name="gather")
 want_rows = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)])
@@ -87,12 +93,14 @@ splits = torch.tensor([r + 1 for r in range(size)])  # rank r gets r+1 rows from
 sent = torch.cat([torch.full((r + 1, 3), float(rank * 100 + r)) for r in range(size)])
 received, got_splits = mpidp.alltoall(sent, splits=splits, name="alltoall")
 want_recv = torch.cat([torch.full((rank + 1, 3), float(src * 100 + rank)) for src in range(size)])
-check(torch.equal(received, want_recv) and got_splits.tolist() == [rank + 1] * size,
-      f"alltoall with splits, received splits {got_splits.tolist()}")
+check(
+    torch.equal(received, want_recv) and got_splits.tolist() == [rank + 1] * size,
+    f"alltoall with splits, received splits {got_splits.tolist()}",
+)
 
 rows = torch.arange(2 * size * 3, dtype=torch.float32).reshape(2 * size, 3)
 mine = mpidp.reducescatter(rows + rank, op=mpidp.Sum, name="rs")
-want_rs = (rows * size + size * (size - 1) / 2)[2 * rank:2 * rank + 2]
+want_rs = (rows * size + size * (size - 1) / 2)[2 * rank : 2 * rank + 2]
 check(torch.equal(mine, want_rs), "reducescatter Sum")
 
 # -- a mismatch fails every rank, and the next collective still works ----------------------------
@@ -101,8 +109,7 @@ try:
     mpidp.allreduce(torch.ones(shape), name="mismatch")
     check(False, "a shape mismatch raised nothing")
 except mpidp.MismatchError as e:
-    check("(3,)" in str(e) and "(4,)" in str(e),
-          f"mismatch message: {e}")
+    check("(3,)" in str(e) and "(4,)" in str(e), f"mismatch message: {e}")
 after = mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name="after.mismatch")
 check(torch.equal(after, torch.full((2,), float(size))), "allreduce after the mismatch")
 
@@ -129,8 +136,13 @@ if args.tcp_to:
             check(address in peers, f"no TCP connection to {host} ({address}); peers {peers}")
 
 verdicts = mpidp.allgather_object(failures)
-report = {"rank": rank, "host": me, "topology": topo, "tcp_peers": peers,
-          "hierarchical": cpu_path.hierarchical}
+report = {
+    "rank": rank,
+    "host": me,
+    "topology": topo,
+    "tcp_peers": peers,
+    "hierarchical": cpu_path.hierarchical,
+}
 print("multihost_check " + json.dumps(report), flush=True)
 mpidp.shutdown()
 bad = [f for fs in verdicts for f in fs]

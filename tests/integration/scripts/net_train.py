@@ -30,11 +30,17 @@ args = parser.parse_args()
 mpidp.init()
 rank = mpidp.rank()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, args.width), torch.nn.ReLU(),
-                            torch.nn.Linear(args.width, args.width), torch.nn.ReLU(),
-                            torch.nn.Linear(args.width, 4))
-opt = mpidp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                 named_parameters=model.named_parameters())
+model = torch.nn.Sequential(
+    torch.nn.Linear(64, args.width),
+    torch.nn.ReLU(),
+    torch.nn.Linear(args.width, args.width),
+    torch.nn.ReLU(),
+    torch.nn.Linear(args.width, 4),
+)
+opt = mpidp.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+    named_parameters=model.named_parameters(),
+)
 mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
 done = 0
 if args.resume:
