@@ -117,9 +117,10 @@ def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
                 with open(checkpoint, "r+b") as f:
                     f.seek(os.path.getsize(checkpoint) // 2)
                     f.write(b"\xde\xad\xbe\xef" * 64)
-                started = time.time()
                 res, ended = _job(n, checkpoint, tag)
-                fault_at, bound = started, BOUND_S
+                stamps = re.findall(r"^chaos: loading .* at ([0-9.]+)$", res.stdout, re.M)
+                fault_at = min(map(float, stamps)) if stamps else float("nan")
+                bound = BOUND_S
                 named = "ckpt.pt" in res.stderr and "CheckpointError" in res.stderr
             else:
                 res, ended = _job(

@@ -41,6 +41,9 @@ opt = mpidp.DistributedOptimizer(
 mpidp.broadcast_parameters(model.state_dict(), root_rank=0)
 start = 0
 if os.path.exists(args.checkpoint):
+    # The corrupt trial's fault is met here: its time bound runs from this stamp, not from a
+    # launch whose start-up (4 ranks importing torch on 2 cores) alone can take seconds.
+    print(f"chaos: loading {args.checkpoint} at {time.time()}", flush=True)
     start = mpidp.checkpoint.load(args.checkpoint, model=model, optimizer=opt)["step"]
     print(f"rank {rank}: resumed at step {start}", flush=True)
 
