@@ -47,7 +47,7 @@ def make_group(global_ranks: List[int]) -> Optional[ProcessGroupMpidp]:
             f"a communicator of {world.size()}; call mpidp.init() without comm="
         )
     ranks = sorted(int(r) for r in global_ranks)
-    if not ranks or ranks == list(range(world.size())) and len(global_ranks) == 0:
+    if not ranks:  # the world's group: mpidp's global set (a subgroup of all ranks gets its own)
         return ProcessGroupMpidp(world.rank(), world.size())
     if world.rank() not in ranks:
         return None

@@ -22,7 +22,8 @@ def _trained(res, label: str, n: int):
     """The example's last line: the loss fell, on n ranks."""
     assert res.returncode == 0, res.output
     line = rf"{re.escape(label)}: loss {FLOAT} -> {FLOAT} on {n} rank\(s\)"
-    (m,) = [m for m in map(re.compile(line).fullmatch, res.stdout.splitlines()) if m]
+    # Searched in the whole output, not matched per line: hydra may join two ranks' lines.
+    (m,) = re.finditer(line, res.stdout)
     assert float(m.group(2)) < float(m.group(1)), res.stdout
     return res.stdout
 
