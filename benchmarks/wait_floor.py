@@ -12,6 +12,9 @@ few microseconds of busy Python per op, beside one raw MPI Allreduce of 4 B:
   band+data  the band (mpi.allreduce_band, a thread that waits: yields between tests), then
              Iallreduce + Wait of one float32
   +Nus       the same with N us of busy Python per op, half before the band and half after
+  one        the shape of one collective per op instead: an Iallgather of a 96 B record per
+             rank (a band with the data of a small op riding in it), with the same wait
+  one+Nus    the same with N us of busy Python per op
 
 Where ranks outnumber cores, a rank's Python work delays the peer that shares its core, so each
 microsecond of it costs about twice that per op. A sample is the slowest rank's median over
@@ -65,11 +68,21 @@ def main():
 
         return op
 
+    record = bytearray(96)
+    records = bytearray(96 * data.Get_size())
+
+    def gathered(us):
+        def op():
+            pad(us / 2)
+            engine_mpi.wait(control.Iallgather([record, MPI.BYTE], [records, MPI.BYTE]), True)
+            pad(us / 2)
+
+        return op
+
+    pads = list(map(float, args.pads.split(",")))
     contenders = [("raw", lambda: data.Allreduce(MPI.IN_PLACE, value, op=MPI.SUM))]
-    contenders += [
-        ("band+data" if us == 0 else f"+{us:g}us", negotiated(us))
-        for us in map(float, args.pads.split(","))
-    ]
+    contenders += [("band+data" if us == 0 else f"+{us:g}us", negotiated(us)) for us in pads]
+    contenders += [("one" if us == 0 else f"one+{us:g}us", gathered(us)) for us in pads]
     got = {name: [] for name, _ in contenders}
     for r in range(args.rounds):
         order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]

@@ -13,6 +13,13 @@ second SIGINT before that is raised at once (a way out when a peer never comes).
 import signal
 import threading
 
+try:
+    # The handler as stored, without signal.getsignal's conversion of SIG_DFL/SIG_IGN to enum
+    # members (two Python calls each): may_drive() asks for three on every blocking op.
+    from _signal import getsignal as _stored_handler  # type: ignore[import-not-found]
+except ImportError:  # not CPython
+    _stored_handler = signal.getsignal
+
 _MAIN = threading.main_thread().ident
 _driving = False  # the main thread is running engine cycles
 _pending = False  # a SIGINT arrived meanwhile, not raised yet
@@ -76,6 +83,6 @@ def may_drive() -> bool:
     if threading.get_ident() != _MAIN:
         return True
     for signum in _JOB_SIGNALS:
-        if callable(signal.getsignal(signum)):
+        if callable(_stored_handler(signum)):
             return False
     return True
