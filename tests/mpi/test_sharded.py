@@ -57,14 +57,16 @@ def _groups(model, kind):
             lr=0.1,
             momentum=0.9,
         )
-    if kind == "adam":
-        return torch.optim.Adam([{"params": first}, {"params": rest, "lr": 0.003}], lr=0.01)
+    if kind in ("adam", "adam_fused"):
+        return torch.optim.Adam(
+            [{"params": first}, {"params": rest, "lr": 0.003}], lr=0.01, fused=kind == "adam_fused"
+        )
     return torch.optim.AdamW(
         [{"params": first, "weight_decay": 0.0}, {"params": rest}], lr=0.01, weight_decay=0.1
     )
 
 
-KINDS = ["adam", "adamw", "sgd_momentum"]
+KINDS = ["adam", "adam_fused", "adamw", "sgd_momentum"]
 
 
 def _train(model, opt, data, passes=1, clip=None):
@@ -111,9 +113,12 @@ def test_parameters_equal_distributed_optimizer(kind, stage, passes):
     _train(model, opt, data, passes)
     _train(ref, ref_opt, data, passes)
     err = _deviation(model, ref)
-    # Two ranks sum in the same order either way; more may associate differently.
+    # Two ranks sum in the same order either way; more may associate differently. torch's
+    # fused Adam rounds an element by where it falls in the kernel's vectors (the vector body
+    # or the scalar tail), which differ between a shard and the whole tensor: 1e-17 apart.
+    bitwise = mpidp.size() <= 2 and kind != "adam_fused"
     assert_all(
-        err == 0.0 if mpidp.size() <= 2 else err < 1e-12,
+        err == 0.0 if bitwise else err < 1e-12,
         f"{kind} stage {stage} passes {passes}: max deviation {err}",
     )
     _assert_replicas_bitwise(model, kind)
