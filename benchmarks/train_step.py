@@ -38,6 +38,13 @@ MODELS = {
 }
 
 
+def workload(name):
+    """(model, input batch, labels) of MODELS[name], seeded: the same on every rank and run."""
+    make, make_input, batch, classes = MODELS[name]
+    torch.manual_seed(0)
+    return make(), make_input(batch), torch.randint(0, classes, (batch,))
+
+
 MPIDP_GROUP = []  # torch.distributed group on backend "mpidp", beside gloo's default group
 
 

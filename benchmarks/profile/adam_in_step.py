@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_step import MODELS  # noqa: E402
+from train_step import MODELS, workload  # noqa: E402
 
 
 def faults() -> int:
@@ -51,10 +51,7 @@ def main():
     torch.set_num_threads(1)
     mpidp.init()
     comm = MPI.COMM_WORLD
-    make, make_input, batch, classes = MODELS[args.model]
-    torch.manual_seed(0)
-    base = make()
-    x, y = make_input(batch), torch.randint(0, classes, (batch,))
+    base, x, y = workload(args.model)
 
     def copy_with(**kw):
         model = copy.deepcopy(base)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from train_step import MODELS  # noqa: E402
+from train_step import MODELS, workload  # noqa: E402
 
 
 def build(kind, base):
@@ -60,10 +60,7 @@ def main():
     torch.set_num_threads(1)
     mpidp.init()
     comm = MPI.COMM_WORLD
-    make, make_input, batch, classes = MODELS[args.model]
-    torch.manual_seed(0)
-    base = make()
-    x, y = make_input(batch), torch.randint(0, classes, (batch,))
+    base, x, y = workload(args.model)
     kinds = ["DistributedOptimizer", "ShardedOptimizer stage 1", "ShardedOptimizer stage 2"]
     runs = {k: build(k, base) for k in kinds}
     phases = {k: [] for k in kinds}
