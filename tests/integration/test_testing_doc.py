@@ -2,8 +2,6 @@
 
 import re
 
-import pytest
-
 from .launch import ROOT, run
 
 EXAMPLE = ROOT / "examples" / "testing"
@@ -33,8 +31,10 @@ def _summaries(out):
     return re.findall(r"(\d+ failed, )?(\d+) passed(, \d+ skipped)? in [0-9.]+s", out)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_example_passes(n):
+def test_example_passes():
+    # At 2 ranks; at 3 the test below runs the same 7 tests, and the 7 besides the deliberate
+    # failure must pass there too.
+    n = 2
     res = _pytest(n)
     assert res.returncode == 0, res.output
     summaries = _summaries(res.stdout)
