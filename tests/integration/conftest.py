@@ -36,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
         suffix = "@" + "_".join(sorted(names))
         if item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
             continue  # pytest-xdist's own suffix took (pytest before 9)
-        from _pytest.nodeid import coerce_node_id
-
+        try:
+            from _pytest.nodeid import coerce_node_id
+        except ImportError:  # another pytest: the tests still pass, the clusters' lock waits
+            return
         item._id = coerce_node_id(item.nodeid + suffix)
