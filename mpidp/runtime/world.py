@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import sys
 import threading
 from typing import Any, Dict, Optional
 
@@ -11,7 +12,7 @@ from ..engine.handles import HandleTable
 from ..errors import ConfigError, MpidpError, NotInitializedError
 from ..log import configure as _configure_log
 from ..log import logger
-from . import malloc_reuse, set_registry, uncaught, unknown_vars
+from . import malloc_reuse, set_registry, slurm_pmi, uncaught, unknown_vars
 from .member import Member
 
 
@@ -168,6 +169,7 @@ def init(comm=None, process_sets=None, **overrides) -> None:
     Registers shutdown() at exit.
     """
     global _state, _atexit_registered
+    netmod_note = None if "mpi4py.MPI" in sys.modules else slurm_pmi.choose_netmod()
     from mpi4py import MPI  # imported here: importing mpidp must not initialise MPI
 
     from ..engine.engine import Engine
@@ -207,6 +209,8 @@ def init(comm=None, process_sets=None, **overrides) -> None:
         if comm is not None and base is not comm:
             base.Free()
         _configure_log(comms.rank, comms.size, cfg.log_level)
+        if netmod_note and comms.rank == 0:
+            logger.info("%s", netmod_note)
         failure, engine = None, None
         try:
             if cfg.keep_freed_memory:

@@ -9,6 +9,8 @@ Each host is a network namespace (`ip netns`) with its own address on a bridge i
 namespace (a veth pair each), running sshd in its own UTS namespace, so `hostname` there says
 hosta, hostb, ... The file system, /dev/shm, the process table and the kernel are shared: the
 checkout and its venv are at the same path on every host, as on a cluster with a shared FS.
+The hosts' names resolve to their addresses everywhere through lines added to /etc/hosts (marked,
+taken out at stop), as a cluster's DNS would have them.
 
 Launches reach the hosts as on a real cluster, through hydra's ssh launcher, with these settings
 in the environment (`env()`):
@@ -66,6 +68,8 @@ SUBNET = "10.215.15"  # a private /24 that lives only on our bridge; .1 is the b
 HOST_NAMES = ("hosta", "hostb", "hostc")
 LOCK = Path("/run/mpidp-multihost-test.lock")
 PACKAGES = ("openssh-server", "openssh-client")
+HOSTS_FILE = Path("/etc/hosts")
+HOSTS_MARK = "# " + PREFIX  # ends every line this module adds to HOSTS_FILE
 # With no route out of the namespaces, nothing a host sends can leave the bridge's /24.
 _SETUP_TIMEOUT = 30
 
@@ -106,8 +110,37 @@ def pids_in(netns):
     return [p for p in pids if alive(p)]
 
 
+def _host_name_lines(lines):
+    """Write HOSTS_FILE in place: in a container it is often a bind mount, which a rename
+    would fail to replace."""
+    with open(HOSTS_FILE, "w") as f:
+        f.writelines(lines)
+
+
+def add_host_names(hosts):
+    """Make the hosts' names resolve to their addresses, as a cluster's DNS does: hydra's
+    proxies started by srun inside an allocation reach mpiexec by the name of the node it runs
+    on. Lines marked with HOSTS_MARK; remove_everything() takes them out."""
+    lines = HOSTS_FILE.read_text().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    _host_name_lines(lines + [f"{h.address} {h.name} {HOSTS_MARK}\n" for h in hosts])
+
+
+def remove_host_names():
+    try:
+        lines = HOSTS_FILE.read_text().splitlines(keepends=True)
+    except OSError:
+        return
+    kept = [line for line in lines if not line.rstrip().endswith(HOSTS_MARK)]
+    if kept != lines:
+        _host_name_lines(kept)
+
+
 def remove_everything(log=lambda msg: None):
-    """Kill every process on our hosts, delete our namespaces and links (ours or left over)."""
+    """Kill every process on our hosts, delete our namespaces and links (ours or left over), and
+    our lines in HOSTS_FILE."""
+    remove_host_names()
     for ns in namespaces():
         pids = pids_in(ns)
         if pids:
@@ -170,6 +203,7 @@ class MultiHostCluster:
             self.dir = Path(tempfile.mkdtemp(prefix=PREFIX + "-"))
             self._write_keys_and_configs()
             self._build_network()
+            add_host_names(self.hosts)
             for host in self.hosts:
                 self._start_sshd(host)
             for host in self.hosts:

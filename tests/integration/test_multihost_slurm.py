@@ -16,7 +16,7 @@ import pytest
 from mpidp.config import LAUNCHER_PREFIXES
 
 from .cluster_kit import start_or_skip, which
-from .launch import SCRIPTS
+from .launch import ROOT, SCRIPTS
 from .multihost_cluster import SUBNET, started
 from .slurm_cluster import Node, SlurmCluster
 
@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
 CHECK = SCRIPTS / "multihost_check.py"
 PY = sys.executable
+SLURM_DIR = ROOT / "examples" / "slurm"
 
 
 @pytest.fixture(scope="module")
@@ -45,60 +46,68 @@ def cluster():
         hosts.stop()
 
 
-def job_env(hosts):
+def job_env(hosts, **extra):
     """hosts.env() without launcher variables (srun must not join a surrounding job), and UCX on
-    TCP over the hosts' eth0 only.
+    TCP over the hosts' eth0 only (UCX_TLS for the reason of multihost_cluster.py: every
+    namespace shares the boot id).
 
-    UCX_TLS=self,tcp for the reason of multihost_cluster.py (every namespace shares the boot id).
-    UCX_NET_DEVICES=eth0 keeps the worker addresses that MPICH 5.0.2 exchanges through Slurm's
-    PMI short: Slurm 22.05's mpi/pmi2 plugin, serving MPICH's PMI-1 requests, takes each request
-    from a single read() (src/plugins/mpi/pmi2/pmi1.c, handle_pmi1_cmd: "TODO: read until
-    newline"), so a long `cmd=put` line (values up to the vallen_max=1024 it announces) can be
-    split and its rest parsed as a request of its own. slurmstepd then logs "mpi/pmi2: value not
-    properly terminated in client request" and "invalid client request", and the job fails in
-    MPI_Init or hangs. With lo in the addresses as well, 4 of 6 launches of the check script
-    failed so; with eth0 only, none of 15 (docs/clusters.md, section 10)."""
-    return {
+    Under `srun --mpi=pmi2` across the nodes mpidp.init() itself picks MPICH's OFI netmod
+    (mpidp/runtime/slurm_pmi.py: Slurm's PMI-1 server splits the long lines of UCX's address
+    exchange), so a job that fails with slurmstepd's "invalid client request" fails its test."""
+    env = {
         k: v
         for k, v in hosts.env(UCX_TLS="self,tcp", UCX_NET_DEVICES="eth0").items()
         if not k.startswith(LAUNCHER_PREFIXES + ("PYTEST_",))
     }
-
-
-# What slurmstepd says when its pmi2 plugin split a request (job_env's docstring). A launch that
-# failed with one of these is Slurm's bug, not mpidp's: it is tried again, twice at most.
-PMI_SPLIT = (
-    "value not properly terminated in client request",
-    "invalid client request",
-    "request not begin with 'cmd='",
-)
+    env.update(extra)
+    return env
 
 
 def test_srun_pmi2_over_two_nodes_topology_and_collectives(cluster):
     hosts, _ = cluster
     tcp_to = ",".join(f"{h.name}={h.address}" for h in hosts.hosts)
-    for _ in range(3):
-        res = hosts.run(
-            [
-                which("srun"),
-                "--mpi=pmi2",
-                "-N",
-                2,
-                "-n",
-                4,
-                "--overcommit",
-                "--kill-on-bad-exit=1",
-                PY,
-                CHECK,
-                "hosta,hostb",
-                2,
-                "--tcp-to",
-                tcp_to,
-            ],
-            timeout=60,
-            env=job_env(hosts),
-        )
-        if res.returncode == 0 or not any(s in res.output for s in PMI_SPLIT):
-            break
+    res = hosts.run(
+        [
+            which("srun"),
+            "--mpi=pmi2",
+            "-N",
+            2,
+            "-n",
+            4,
+            "--overcommit",
+            "--kill-on-bad-exit=1",
+            PY,
+            CHECK,
+            "hosta,hostb",
+            2,
+            "--tcp-to",
+            tcp_to,
+        ],
+        timeout=60,
+        env=job_env(hosts),
+    )
     assert res.returncode == 0, res.output
     assert res.stdout.count("all checks passed") == 4, res.output
+
+
+@pytest.mark.parametrize("script", ["train_srun.sbatch", "train_mpirun.sbatch"])
+def test_batch_script_trains_over_two_nodes(cluster, tmp_path, script):
+    """Each batch script as a user submits it, 4 ranks over the two nodes: it trains and ends."""
+    hosts, slurm = cluster
+    job = slurm.sbatch(
+        SLURM_DIR / script,
+        "--epochs",
+        1,
+        "--checkpoint",
+        tmp_path / "checkpoint.pt",
+        out_dir=tmp_path,
+        sbatch_args=["-N", 2, "-n", 4, "-O"],
+        env=job_env(hosts, MPIDP_LOG_LEVEL="info"),
+        timeout=180,
+    )
+    assert job.returncode == 0, job
+    assert "on hosta,hostb" in job.output, job  # the scripts' first line: the allocation
+    assert "with 4 rank(s)" in job.output, job
+    assert [ln for ln in job.output.splitlines() if ln.startswith("final test accuracy:")], job
+    netmod_note = job.output.count("MPICH_CH4_NETMOD=ofi was set")
+    assert netmod_note == (1 if script == "train_srun.sbatch" else 0), job
