@@ -42,7 +42,7 @@ export NPS
 STAMP := $(VENV)/.installed$(if $(wildcard mpidp/__init__.py),,-nopkg)
 PIP   := $(BIN)/python -m pip
 
-.PHONY: venv test test-unit test-mpi test-variants test-integration run bench chaos gpu-check gpu-wheels clean \
+.PHONY: venv test test-unit test-mpi test-variants test-integration run bench chaos chaos-hosts gpu-check gpu-wheels clean \
 	distclean
 
 venv: $(STAMP)
@@ -81,6 +81,9 @@ run: $(STAMP)
 CHAOS_TRIALS ?= 100
 chaos: $(STAMP)
 	$(BIN)/python -m tests.integration.chaos --trials $(CHAOS_TRIALS)
+
+chaos-hosts: $(STAMP)
+	$(BIN)/python -m tests.integration.chaos --hosts 2 --trials $(CHAOS_TRIALS)
 
 bench: $(STAMP)
 	timeout -k 30 $(BENCH_TIMEOUT) $(BIN)/mpiexec -n $(BENCH_NP) $(BIN)/python benchmarks/allreduce.py

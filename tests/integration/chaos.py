@@ -10,6 +10,11 @@ exception in the training loop), datapath (an exception inside the engine's data
 rank that stops calling, past MPIDP_STALL_SHUTDOWN_S), disk (the checkpoint's file system fills
 up: a 1 MiB tmpfs), corrupt (the checkpoint file damaged before a resume: the resume must fail
 naming the file; the run after it starts over). Prints one row per fault.
+
+    python -m tests.integration.chaos --hosts 2 --trials 100    (`make chaos-hosts`)
+
+runs the same trials across the hosts of a test cluster (tests/integration/multihost_cluster.py,
+hydra's ssh launcher, ranks placed host by host): the failing rank's line must name its host.
 """
 
 import argparse
@@ -49,21 +54,57 @@ def _orphans(tag: str, grace_s: float = 3.0) -> list:
         time.sleep(0.1)
 
 
-def _job(n, checkpoint, tag, *args):
-    res = run(
-        n,
-        SCRIPT,
-        "--checkpoint",
-        checkpoint,
-        "--steps",
-        STEPS,
-        "--tag",
-        tag,
-        *args,
-        env=ENV,
-        timeout=TIMEOUT_S,
-    )
-    return res, time.time()
+class Place:
+    """Where a trial's jobs run: this host, or the hosts of a started MultiHostCluster (ranks
+    placed host by host, the first hosts taking one more where n does not divide)."""
+
+    def __init__(self, cluster=None):
+        self.cluster = cluster
+
+    def _per_host(self, n):
+        hosts = [h.name for h in self.cluster.hosts]
+        return [(h, n // len(hosts) + (i < n % len(hosts))) for i, h in enumerate(hosts)]
+
+    def host(self, n: int, rank: int) -> str:
+        """The host name rank `rank` of an n-rank job runs on."""
+        if self.cluster is None:
+            return socket.gethostname()
+        first = 0
+        for name, count in self._per_host(n):
+            if rank < first + count:
+                return name
+            first += count
+        raise ValueError(f"rank {rank} is not in a job of {n}")
+
+    def tempdir(self):
+        """A temporary directory every rank sees, mounts made in it included."""
+        shared = None if self.cluster is None else self.cluster.shared_dir
+        return tempfile.TemporaryDirectory(dir=shared)
+
+    def job(self, n, checkpoint, tag, *args):
+        """chaos_train.py on n ranks; (its Result, the time it ended)."""
+        env, mpi_args = ENV, ()
+        if self.cluster is not None:
+            env = self.cluster.env(**ENV)
+            mpi_args = ("-hosts", ",".join(f"{h}:{c}" for h, c in self._per_host(n) if c))
+        res = run(
+            n,
+            SCRIPT,
+            "--checkpoint",
+            checkpoint,
+            "--steps",
+            STEPS,
+            "--tag",
+            tag,
+            *args,
+            env=env,
+            timeout=TIMEOUT_S,
+            mpi_args=mpi_args,
+        )
+        return res, time.time()
+
+
+THIS_HOST = Place()
 
 
 def _final(res) -> str:
@@ -77,10 +118,10 @@ def _names(output: str, rank: int, host: str) -> bool:
     return any(pattern.search(line) and host in line for line in output.splitlines())
 
 
-def reference(n: int) -> str:
+def reference(n: int, place: Place = THIS_HOST) -> str:
     """The final parameters of an uninterrupted run at n ranks."""
-    with tempfile.TemporaryDirectory() as d:
-        res, _ = _job(n, os.path.join(d, "ckpt.pt"), f"chaos-ref-{os.getpid()}")
+    with place.tempdir() as d:
+        res, _ = place.job(n, os.path.join(d, "ckpt.pt"), f"chaos-ref-{os.getpid()}")
         if res.returncode != 0 or not _final(res):
             raise RuntimeError(f"the uninterrupted run failed:\n{res.output}")
         return _final(res)
@@ -90,11 +131,10 @@ def _mount_tmpfs(path: str, size: str) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
 
 
-def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
+def trial(n: int, fault: str, rank: int, step: int, want: str, place: Place = THIS_HOST) -> dict:
     """One fault, then the resume; returns what was checked (each True when it held)."""
-    host = socket.gethostname()
     tag = f"chaos-{os.getpid()}-{fault}-{rank}-{step}-{random.randrange(1 << 30)}"
-    with tempfile.TemporaryDirectory() as d:
+    with place.tempdir() as d:
         ckdir = os.path.join(d, "ck")
         os.mkdir(ckdir)
         if fault == "disk":
@@ -103,7 +143,7 @@ def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
         try:
             if fault == "corrupt":
                 # A clean run that stops at `step` (its fault ends it there), then a damaged file.
-                _job(
+                place.job(
                     n,
                     checkpoint,
                     tag,
@@ -117,26 +157,27 @@ def trial(n: int, fault: str, rank: int, step: int, want: str) -> dict:
                 with open(checkpoint, "r+b") as f:
                     f.seek(os.path.getsize(checkpoint) // 2)
                     f.write(b"\xde\xad\xbe\xef" * 64)
-                res, ended = _job(n, checkpoint, tag)
+                res, ended = place.job(n, checkpoint, tag)
                 stamps = re.findall(r"^chaos: loading .* at ([0-9.]+)$", res.stdout, re.M)
                 fault_at = min(map(float, stamps)) if stamps else float("nan")
                 bound = BOUND_S
                 named = "ckpt.pt" in res.stderr and "CheckpointError" in res.stderr
             else:
-                res, ended = _job(
+                res, ended = place.job(
                     n, checkpoint, tag, "--fault", fault, "--fault-rank", rank, "--fault-step", step
                 )
                 stamp = re.search(r"^chaos: .* at ([0-9.]+)$", res.stdout, re.M)
                 fault_at = float(stamp.group(1)) if stamp else float("nan")
                 bound = BOUND_S + (STALL_S if fault == "stall" else 0.0)
                 # The disk fills on `rank`, but the save that finds it full is rank 0's.
-                named = _names(res.output, 0 if fault == "disk" else rank, host)
+                failing = 0 if fault == "disk" else rank
+                named = _names(res.output, failing, place.host(n, failing))
             orphans = _orphans(tag)
             if fault == "disk":
                 os.unlink(os.path.join(ckdir, "filler"))
             if fault == "corrupt":
                 os.unlink(checkpoint)  # nothing good to resume from: start over
-            again, _ = _job(n, checkpoint, tag)
+            again, _ = place.job(n, checkpoint, tag)
         finally:
             if fault == "disk":
                 subprocess.run(["umount", ckdir], check=False)
@@ -157,14 +198,30 @@ def main(argv=None) -> int:
     parser.add_argument("--np", type=int, nargs="+", default=[3, 4])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
+    parser.add_argument(
+        "--hosts", type=int, default=1, help="above 1: across that many hosts of a test cluster"
+    )
     args = parser.parse_args(argv)
+    if args.hosts <= 1:
+        return _trials(args, THIS_HOST)
+    from .multihost_cluster import MultiHostCluster  # root only; one-host trials need none of it
+
+    cluster = MultiHostCluster(n_hosts=args.hosts)
+    cluster.start()
+    try:
+        return _trials(args, Place(cluster))
+    finally:
+        cluster.stop()
+
+
+def _trials(args, place: Place) -> int:
     rng = random.Random(args.seed)
-    refs = {n: reference(n) for n in args.np}
+    refs = {n: reference(n, place) for n in args.np}
     table = defaultdict(lambda: defaultdict(int))
     for i in range(args.trials):
         fault, n = args.faults[i % len(args.faults)], rng.choice(args.np)
         rank, step = rng.randrange(n), rng.randrange(1, STEPS - 1)
-        got = trial(n, fault, rank, step, refs[n])
+        got = trial(n, fault, rank, step, refs[n], place)
         row = table[fault]
         row["trials"] += 1
         for key, ok in got.items():
@@ -173,8 +230,8 @@ def main(argv=None) -> int:
         bad = [k for k, ok in got.items() if not k.startswith("_") and not ok]
         verdict = "ok" if not bad else "FAILED " + ", ".join(bad)
         print(
-            f"trial {i + 1}: {fault} on rank {rank} of {n} at step {step}: ended "
-            f"{got['_seconds']:.1f} s after it; {verdict}",
+            f"trial {i + 1}: {fault} on rank {rank} of {n} ({place.host(n, rank)}) at step "
+            f"{step}: ended {got['_seconds']:.1f} s after it; {verdict}",
             flush=True,
         )
         if bad:

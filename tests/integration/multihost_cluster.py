@@ -152,6 +152,9 @@ def remove_everything(log=lambda msg: None):
     # Deleting a namespace frees its veth asynchronously.
     wait_while(lambda: namespaces() or links(), 10.0, 0.1)
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "-*")):
+        shared = os.path.join(path, "shared")
+        if os.path.ismount(shared):
+            _run(["umount", "-R", shared], check=False)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -201,6 +204,7 @@ class MultiHostCluster:
             remove_everything(self._log)
             self._catch_sigterm()
             self.dir = Path(tempfile.mkdtemp(prefix=PREFIX + "-"))
+            self._make_shared_dir()
             self._write_keys_and_configs()
             self._build_network()
             add_host_names(self.hosts)
@@ -224,6 +228,21 @@ class MultiHostCluster:
 
             self._old_sigterm = signal.SIG_DFL
             signal.signal(signal.SIGTERM, on_term)
+
+    @property
+    def shared_dir(self) -> Path:
+        """A directory whose mounts made later every host sees too (a small tmpfs there fills up
+        for all of them, as a cluster's shared file system would)."""
+        return self.dir / "shared"
+
+    def _make_shared_dir(self):
+        # Each host's sshd runs in a mount namespace of its own (`ip netns exec` makes one to
+        # mount the namespace's /sys); made before them, a shared mount passes later mounts
+        # beneath it on to theirs.
+        path = str(self.shared_dir)
+        os.mkdir(path)
+        _run(["mount", "--bind", path, path])
+        _run(["mount", "--make-shared", path])
 
     def _write_keys_and_configs(self):
         d = self.dir
