@@ -8,6 +8,7 @@
 #   make bench               benchmarks/allreduce.py at np=2
 #   make chaos               100 trials of one fault each (kill, term, raise, datapath, stall,
 #                            full disk, corrupt checkpoint) at 3-4 ranks; a table (CHAOS_TRIALS=N)
+#   make chaos-hosts         the same across the two hosts of the multi-host test cluster (root)
 #   make gpu-check           on a GPU machine: what is found, the device-parametrized MPI tests on
 #                            CUDA tensors per data path at n=1 and 2, examples/train.py on cuda,
 #                            benchmarks/cuda_paths.py; one table (without a GPU: says so, exit 0).

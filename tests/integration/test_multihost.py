@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from . import chaos
 from .launch import ROOT, SCRIPTS
 from .multihost_cluster import started
 
@@ -321,3 +322,14 @@ def test_ssh_session_is_only_the_launch_channel(clean):
     rc, _ = job.finish(timeout=120)
     assert rc == 0, job.output
     assert "".join(job.out).count("finished") == 4, job.output
+
+
+def test_chaos_full_disk_on_the_third_host_ends_names_and_resumes(clean):
+    """One chaos trial across the hosts (`make chaos-hosts` runs 100): rank 2, on hostc, fills
+    the checkpoints' file system, a 1 MiB tmpfs every host sees; rank 0's save on hosta finds it
+    full. The job must end in time, leave nothing, name rank 0 and hosta, and a second run must
+    resume to the uninterrupted run's parameters bitwise."""
+    place = chaos.Place(clean)
+    got = chaos.trial(3, "disk", 2, 3, chaos.reference(3, place), place)
+    bad = [k for k, ok in got.items() if not k.startswith("_") and not ok]
+    assert not bad, f"{bad} ({got['_seconds']:.1f} s after the fault)\n{got['_output'][-4000:]}"
