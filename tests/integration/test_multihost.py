@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from . import chaos
 from .launch import ROOT, SCRIPTS
@@ -25,7 +24,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("clusters")]
 
 CHECK = SCRIPTS / "multihost_check.py"
 FAULTS = SCRIPTS / "faults.py"
-CKPT = SCRIPTS / "ckpt_train.py"
 TRAIN = ROOT / "examples" / "train.py"
 PY = sys.executable
 BOUND_S = 10.0  # from a fault to the end of the whole job
@@ -36,6 +34,12 @@ def cluster():
     c = started(3, "a multi-host test cluster")
     yield c
     c.stop()  # raises if a namespace or link survives
+
+
+@pytest.fixture(scope="module")
+def chaos_reference(cluster):
+    """The final parameters of chaos_train.py uninterrupted at one rank per host."""
+    return chaos.reference(3, chaos.Place(cluster))
 
 
 @pytest.fixture
@@ -205,27 +209,6 @@ def test_train_across_hosts_matches_one_host_then_resumes(clean, tmp_path):
     assert _final_accuracy(res) > 0.5, res.stdout
 
 
-def _equal_params(a, b):
-    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
-def test_checkpoint_kill_resume_across_hosts_is_bitwise(clean, tmp_path):
-    """ckpt_train.py at one rank per host: rank 1 (on hostb) SIGKILLs itself after a save; the
-    resumed job repeats the uninterrupted one bitwise."""
-    hosts = ("-hosts", "hosta:1,hostb:1", "-n", 2, PY, CKPT)
-    ckpt = tmp_path / "train.pt"
-    full = clean.mpiexec(*hosts, "full", 30, 17, ckpt, tmp_path / "full.pt", timeout=180)
-    assert full.returncode == 0, full.output
-    part = clean.mpiexec(*hosts, "part", 30, 17, ckpt, tmp_path / "never.pt", timeout=180)
-    assert part.returncode != 0 and "rank 0: saved at step 17" in part.stdout, part.output
-    assert clean.leftovers() == {}
-    resumed = clean.mpiexec(*hosts, "resume", 30, 17, ckpt, tmp_path / "resumed.pt", timeout=180)
-    assert resumed.returncode == 0, resumed.output
-    assert "rank 1: resumed at step 17 epoch 1" in resumed.stdout, resumed.output
-    assert _equal_params(tmp_path / "full.pt", tmp_path / "resumed.pt")
-
-
 # -- faults --------------------------------------------------------------------------------------
 
 
@@ -324,12 +307,13 @@ def test_ssh_session_is_only_the_launch_channel(clean):
     assert "".join(job.out).count("finished") == 4, job.output
 
 
-def test_chaos_full_disk_on_the_third_host_ends_names_and_resumes(clean):
-    """One chaos trial across the hosts (`make chaos-hosts` runs 100): rank 2, on hostc, fills
-    the checkpoints' file system, a 1 MiB tmpfs every host sees; rank 0's save on hosta finds it
-    full. The job must end in time, leave nothing, name rank 0 and hosta, and a second run must
-    resume to the uninterrupted run's parameters bitwise."""
-    place = chaos.Place(clean)
-    got = chaos.trial(3, "disk", 2, 3, chaos.reference(3, place), place)
+@pytest.mark.parametrize("fault, rank", [("kill", 1), ("disk", 2)])
+def test_chaos_trial_across_hosts(clean, chaos_reference, fault, rank):
+    """Chaos trials across the hosts, one rank on each (`make chaos-hosts` runs 100): rank 1 on
+    hostb SIGKILLed at step 3; rank 2 on hostc filling the checkpoints' file system (a 1 MiB tmpfs
+    every host sees), so that rank 0's save on hosta finds it full. Each job must end in time,
+    leave nothing on any host, name the failing rank and its host, and a second run must resume
+    from the last checkpoint to the uninterrupted run's parameters bitwise."""
+    got = chaos.trial(3, fault, rank, 3, chaos_reference, chaos.Place(clean))
     bad = [k for k, ok in got.items() if not k.startswith("_") and not ok]
     assert not bad, f"{bad} ({got['_seconds']:.1f} s after the fault)\n{got['_output'][-4000:]}"
