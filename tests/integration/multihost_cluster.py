@@ -32,6 +32,7 @@ under CI=true).
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -152,10 +153,25 @@ def remove_everything(log=lambda msg: None):
     # Deleting a namespace frees its veth asynchronously.
     wait_while(lambda: namespaces() or links(), 10.0, 0.1)
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "-*")):
-        shared = os.path.join(path, "shared")
-        if os.path.ismount(shared):
-            _run(["umount", "-R", shared], check=False)
+        # A directory bound onto itself is a mount os.path.ismount() does not see (same device).
+        for _ in range(8):
+            points = _mounts_under(path)
+            if not points:
+                break
+            for point in sorted(points, reverse=True):
+                _run(["umount", point], check=False)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _mounts_under(path):
+    """Mount points at or below `path`, from /proc/self/mounts (its octal escapes undone)."""
+    try:
+        with open("/proc/self/mounts") as f:
+            points = [line.split()[1] for line in f if line.strip()]
+    except OSError:
+        return []
+    decoded = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p) for p in points)
+    return [p for p in decoded if p == path or p.startswith(path + "/")]
 
 
 class Host:
