@@ -25,7 +25,7 @@ is 1, as in Horovod: a zero tensor, a joined rank's contribution, changes nothin
 The number of ranks must be a power of 2, as in Horovod (checked at submission by
 op_args.resolve_op). Prescale before, postscale after, no division by the size.
 Every data path routes Adasum here (HostBackend, which the gloo/NCCL and CUDA wrappers run
-through); CUDA tensors are copied to host memory and back, which has never run on a GPU.
+through); CUDA tensors are copied to host memory and back (ran on an H100, staged MPI, n=2).
 """
 
 from typing import List
