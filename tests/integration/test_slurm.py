@@ -116,6 +116,27 @@ def test_training_job(slurm, tmp_path, script):
     assert len(lines) == 1, job
 
 
+def test_lightning_job_under_srun(slurm, tmp_path):
+    """A Lightning Trainer whose DDP runs over backend "mpidp", its 2 ranks started by srun
+    (train_srun.sbatch with MPIDP_TRAIN): Lightning sees SLURM_NTASKS, and the example hands it
+    MPI's ranks, so the two ranks train one model (the loss line once, from rank 0 of 2)."""
+    example = "examples/torch_distributed/lightning_ddp.py"
+    job = submit(
+        slurm,
+        SLURM_DIR / "train_srun.sbatch",
+        "--epochs",
+        "2",
+        tmp_path=tmp_path,
+        env=job_env(MPIDP_TRAIN=example),
+    )
+    assert job.returncode == 0, job
+    losses = re.findall(r"lightning_ddp: loss ([0-9.]+) -> ([0-9.]+) on (\d+) rank", job.output)
+    assert len(losses) == 1, job  # rank 0 alone: one world of 2, not two worlds of 1
+    before, after, ranks = losses[0]
+    assert ranks == "2" and float(after) < float(before), job
+    assert "distributed_backend=mpidp" in job.output, job
+
+
 def test_pytest_job_with_more_ranks_than_cpus(slurm, tmp_path):
     """pytest.sbatch at 3 ranks on the 2-CPU node, which needs --overcommit (-O)."""
     job = submit(
