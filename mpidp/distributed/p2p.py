@@ -2,7 +2,6 @@
 
 import torch
 
-from ..engine import mpi
 from ..errors import ArgumentError
 from ..runtime.process_sets import member_of
 from .work import Work
@@ -18,6 +17,14 @@ def _bytes(t: torch.Tensor, what: str):
     return host, host.reshape(-1).view(torch.uint8).numpy()
 
 
+def _mpi():
+    """The engine's MPI module, imported at first use: importing it starts MPI, which
+    mpidp.init() must do itself (it may choose the MPICH netmod first, runtime/slurm_pmi.py)."""
+    from ..engine import mpi
+
+    return mpi
+
+
 def _check_peer(peer: int, size: int, rank: int, what: str) -> None:
     if not 0 <= peer < size:
         raise ValueError(f"{what}: rank {peer} is not in the group (ranks 0..{size - 1})")
@@ -28,6 +35,7 @@ def _check_peer(peer: int, size: int, rank: int, what: str) -> None:
 def _wait(request) -> int:
     """Complete `request` as the engine's waits do (test and yield, then sleep between tests);
     the source rank of a receive."""
+    mpi = _mpi()
     status = mpi.new_status()
     mpi.wait(request, spin=True, status=status)
     return status.Get_source()
@@ -39,7 +47,7 @@ def send(process_set, tensor: torch.Tensor, dst: int, tag: int) -> Work:
     _, member = member_of(process_set, "send")
     _check_peer(dst, member.size, member.rank, "send")
     host, view = _bytes(tensor, "send")
-    request = mpi.isend(member.engine.comms.p2p, view, dst, tag)
+    request = _mpi().isend(member.engine.comms.p2p, view, dst, tag)
     return _PointWork(request, [tensor], None, keep=host)
 
 
@@ -50,6 +58,7 @@ def recv(process_set, tensor: torch.Tensor, src, tag: int) -> Work:
     if src is not None:
         _check_peer(src, member.size, member.rank, "recv")
     host, view = _bytes(tensor, "recv")
+    mpi = _mpi()
     request = mpi.irecv(member.engine.comms.p2p, view, mpi.ANY_SOURCE if src is None else src, tag)
     return _PointWork(request, [tensor], host if host is not tensor else None, keep=host)
 

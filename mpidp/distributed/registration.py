@@ -9,6 +9,9 @@ These are torch's private or experimental hooks, pinned by tests/unit/test_torch
   `ProcessGroupMPI.create(global_ranks)` on the members of each group (the world's: []) and
   needs no store and no rank or world size (MPI knows them). Supplying that hook here makes
   "mpi", and "mpidp" through an alias to it, rendezvous over MPI.
+- `distributed_c10d.Store`, which init_process_group calls (with no argument) for a placeholder
+  store on that path, and then hands to every group made beside the world's: replaced by
+  store.world_store, so that a gloo or NCCL group can rendezvous beside an mpidp world.
 """
 
 from typing import List, Optional
@@ -16,11 +19,11 @@ from typing import List, Optional
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..engine import mpi
 from ..log import logger
 from ..runtime import world
 from ..runtime.process_sets import add_member_process_set
 from .group import ProcessGroupMpidp
+from .store import world_store
 
 NAME = "mpidp"
 _installed = False
@@ -39,6 +42,8 @@ def make_group(global_ranks: List[int]) -> Optional[ProcessGroupMpidp]:
     subgroup (its communicator and engine)."""
     if not world.is_initialized():
         world.init()
+    from ..engine import mpi  # after init(): importing it starts MPI (p2p._mpi says why)
+
     everyone = mpi.world()
     if everyone is not None and everyone[1] != world.size():
         raise RuntimeError(
@@ -82,6 +87,7 @@ def install() -> None:
     if not _torch_has_mpi:
         setattr(c10d, "ProcessGroupMPI", _MpiHook)
         c10d._MPI_AVAILABLE = True
+        setattr(c10d, "Store", world_store)
         # Backend("mpidp") now reads "mpi": init_process_group takes MPI's path, with no
         # store and no MASTER_ADDR, RANK or WORLD_SIZE to set.
         setattr(dist.Backend, NAME.upper(), dist.Backend.MPI)

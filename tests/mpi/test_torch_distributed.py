@@ -308,6 +308,33 @@ def test_subgroups_on_members_only():
         dist.destroy_process_group(group)
 
 
+def test_gloo_groups_beside_the_mpidp_world():
+    """A gloo group made by the same script rendezvous through the world's store (served by
+    rank 0, connected to on first use): the whole world, and the ranks but 0 (so rank 0 serves
+    a store it never uses itself); the mpidp world still works between and after."""
+    n, r = size(), rank()
+    whole = dist.new_group(backend="gloo")
+    t = torch.ones(3) * (r + 1)
+    dist.all_reduce(t, group=whole)
+    u = torch.ones(2)
+    dist.all_reduce(u)
+    results = [
+        ("gloo world", t, torch.full((3,), n * (n + 1) / 2)),
+        ("mpidp", u, torch.full((2,), float(n))),
+    ]
+    assert_all(dist.get_backend(whole) == "gloo", dist.get_backend(whole))
+    rest = list(range(1, n))
+    if rest:
+        others = dist.new_group(rest, backend="gloo")
+        if r in rest:
+            v = torch.full((2,), float(r))
+            dist.all_reduce(v, group=others)
+            results.append(("gloo ranks 1..n-1", v, torch.full((2,), float(sum(rest)))))
+            dist.destroy_process_group(others)
+    check(results)
+    dist.destroy_process_group(whole)
+
+
 def test_device_mesh_and_dtensor():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -116,6 +116,13 @@ def test_built_queries_do_not_start_mpi():
     assert _python(code) == "False", "a *_built() query imported mpi4py.MPI"
 
 
+def test_importing_the_torch_distributed_backend_does_not_start_mpi():
+    """Scripts import mpidp.distributed before init_process_group; MPI must start in
+    mpidp.init(), which may first choose MPICH's netmod under srun (runtime/slurm_pmi.py)."""
+    code = "import sys, mpidp.distributed\nprint('mpi4py.MPI' in sys.modules)\n"
+    assert _python(code) == "False", "import mpidp.distributed imported mpi4py.MPI"
+
+
 def test_import_and_eager_calls_do_not_import_dynamo():
     """torch.compile's Dynamo costs 1.2 s of CPU to import, in every rank of every job: mpidp
     leaves it out until something else (torch.compile) brings it in."""

@@ -20,6 +20,16 @@ def test_the_mpi_path_creates_groups_through_process_group_mpi_create():
     assert "return _MPI_AVAILABLE" in inspect.getsource(c10d.is_mpi_available)
 
 
+def test_the_mpi_path_makes_the_world_store_by_calling_store_from_the_module():
+    """init_process_group's MPI branch calls the module's `Store` with no argument for the
+    world's store, which groups made beside it then use (mpidp.distributed.store replaces it);
+    the module uses the name nowhere else but in annotations."""
+    source = inspect.getsource(c10d.init_process_group)
+    assert "Store(),  # Placeholder" in source
+    calls = [line for line in inspect.getsource(c10d).splitlines() if " Store()" in line]
+    assert len(calls) == 1, calls
+
+
 def test_process_group_and_work_subclass_in_python():
     class Group(dist.ProcessGroup):
         def getBackendName(self):

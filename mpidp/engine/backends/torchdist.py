@@ -41,7 +41,7 @@ from ..messages import ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 from .host import HostBackend, uneven_counts
 
-_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
 _BYTE = dtypes.BYTE
 
 
@@ -75,6 +75,34 @@ def _rows_as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.reshape(-1).view(_BYTE).reshape(rows, row * t.element_size())
 
 
+def serve_store(comms, config, what: str):
+    """Rank 0 of `comms` serves a TCPStore on a free port of the `rendezvous_host` knob's host
+    (or its own name) and every rank learns (host, port, rank 0's store or None). Raises
+    MpidpError on every rank, naming `what` the store is for, if rank 0 could not serve one.
+
+    Synchronization: collective over `comms.world` (an MPI broadcast of the address); nothing
+    connects yet.
+    """
+    store = None
+    announce = None
+    if comms.rank == 0:
+        host = config.rendezvous_host or socket.gethostname()
+        try:
+            # A name that does not resolve leaves the others retrying to connect for minutes.
+            socket.getaddrinfo(host, None)
+            store = dist.TCPStore(host, 0, comms.size, True, STORE_TIMEOUT, wait_for_workers=False)
+            announce = (host, store.port, "")
+        except Exception as exc:  # every rank must learn of it, or they wait for the store
+            announce = (host, 0, f"rank 0 could not start a TCPStore on {host!r}: {exc}")
+    host, port, error = mpi.bcast_object(comms.world, announce, 0)
+    if error:
+        raise MpidpError(
+            f"{what}: {error}; set MPIDP_RENDEZVOUS_HOST to an address of rank 0 that every "
+            f"rank can reach"
+        )
+    return host, port, store
+
+
 def open_group(comms, config, kind: str):
     """Create this communicator's `kind` ('gloo' or 'nccl') process group; returns (group, store).
 
@@ -83,26 +111,9 @@ def open_group(comms, config, kind: str):
     """
     if kind not in ("gloo", "nccl"):
         raise ValueError(f"no process group kind {kind!r}")
-    store = None
-    announce = None
-    if comms.rank == 0:
-        host = config.rendezvous_host or socket.gethostname()
-        try:
-            # A name that does not resolve leaves the others retrying to connect for minutes.
-            socket.getaddrinfo(host, None)
-            store = dist.TCPStore(host, 0, comms.size, True, _STORE_TIMEOUT, wait_for_workers=False)
-            announce = (host, store.port, "")
-        except Exception as exc:  # every rank must learn of it, or they wait for the store
-            announce = (host, 0, f"rank 0 could not start a TCPStore on {host!r}: {exc}")
-    host, port, error = mpi.bcast_object(comms.world, announce, 0)
-    if error:
-        raise MpidpError(
-            f"{kind} process group: {error}; set MPIDP_RENDEZVOUS_HOST to an "
-            f"address of rank 0 that every rank can reach"
-        )
-    if comms.rank != 0:
-        store = dist.TCPStore(host, port, comms.size, False, _STORE_TIMEOUT)
-    assert store is not None  # rank 0 made it, or said why not above
+    host, port, store = serve_store(comms, config, f"{kind} process group")
+    if store is None:
+        store = dist.TCPStore(host, port, comms.size, False, STORE_TIMEOUT)
     prefixed = dist.PrefixStore(f"mpidp/{kind}", store)
     make = dist.ProcessGroupGloo if kind == "gloo" else dist.ProcessGroupNCCL
     # torch's stubs omit the defaults of the last argument (gloo's timeout, NCCL's options).
