@@ -8,7 +8,8 @@ the model (same initial weights), in a rotating order; medians over all rounds a
 ratios: mpidp / the best hand-written MPI strategy after backward (per-tensor: one in-place
 Allreduce per gradient; hybrid: gradients < 64 KB packed into one buffer, larger ones in place in
 4 MB chunks), DDP step / mpidp step, DDP over backend "mpidp" (mpidp.distributed) against DDP
-over gloo and against mpidp's own optimizer, and scaling efficiency (no-communication step /
+over gloo and against mpidp's own optimizer (also with DDP's gradient_as_bucket_view, which
+saves DDP's copies into and out of its buckets), and scaling efficiency (no-communication step /
 mpidp step).
 --overlap-ab adds two mpidp contenders that overlap reductions with backward and that do not,
 whatever MPIDP_OVERLAP's auto picks here (docs: README, MPIDP_OVERLAP).
@@ -101,6 +102,10 @@ def contenders(build, comm, overlap_ab=False):
     out.append(Contender("DDP (gloo)", m, sgd(m)))
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=MPIDP_GROUP[0])
     out.append(Contender("DDP (mpidp backend)", m, sgd(m)))
+    m = torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(base), process_group=MPIDP_GROUP[0], gradient_as_bucket_view=True
+    )
+    out.append(Contender("DDP (mpidp backend, bucket view)", m, sgd(m)))
     m = copy.deepcopy(base)
     raw = comm.Dup()
 
@@ -189,6 +194,8 @@ def main():
             on_us = med["DDP (mpidp backend)"]
             print(f"  DDP (mpidp backend) / DDP (gloo) {on_us / ddp:8.3f}   (goal <= 0.80)")
             print(f"  DDP (mpidp backend) / mpidp      {on_us / ours:8.3f}   (goal <= 1.05)")
+            view = med["DDP (mpidp backend, bucket view)"]
+            print(f"  the same, gradient_as_bucket_view {view / ours:7.3f}")
             print(
                 f"  scaling efficiency               {base / ours:8.3f}   (no communication "
                 f"/ mpidp)"
