@@ -74,10 +74,17 @@ print(json.dumps(f))
 """
 
 
+# GPU machines run commands as root, where Open MPI's mpiexec refuses to start without these
+# (the image lent on 2026-11-27 had Debian's Open MPI 4.1.6 under its mpi4py); MPICH ignores them.
+AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
 def env_with(site="", **variables):
-    """This process's environment with the checkout (and `site`) first on PYTHONPATH."""
+    """This process's environment with the checkout (and `site`) first on PYTHONPATH (and, as
+    root, Open MPI's consent to run as root unless the environment says otherwise)."""
     path = os.pathsep.join(p for p in (ROOT, site, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, **{k: str(v) for k, v in variables.items()})
+    root = AS_ROOT if hasattr(os, "geteuid") and os.geteuid() == 0 else {}
+    return dict(root, **os.environ, PYTHONPATH=path, **{k: str(v) for k, v in variables.items()})
 
 
 def run(cmd, env, timeout):
