@@ -41,6 +41,7 @@ MATRIX = [
     "test_checkpoint.py",
     "test_cuda_streams.py",
     "test_torch_distributed.py",
+    "test_sharded.py",
 ]
 QUICK_MATRIX = ["test_allreduce.py"]
 FACTS = r"""

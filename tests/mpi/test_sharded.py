@@ -124,6 +124,38 @@ def test_parameters_equal_distributed_optimizer(kind, stage, passes):
     _assert_replicas_bitwise(model, kind)
 
 
+def _tensors(obj):
+    """Every tensor in a nest of dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    return []
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("stage", [1, 2])
+def test_on_the_device_equal_distributed_optimizer(device, stage):
+    """The same comparison on `device` tensors (make gpu-check runs the cuda case): buffers,
+    shards and the state on the parameters' device, the engine moving them."""
+    model, opt, ref, ref_opt = _pair("adam", stage)
+    model.to(device)
+    ref.to(device)
+    data = [[(x.to(device), y.to(device)) for x, y in step] for step in _data(steps=3)]
+    _train(model, opt, data)
+    _train(ref, ref_opt, data)
+    err = _deviation(model, ref)
+    where = {str(p.device) for p in model.parameters()} | {
+        str(t.device) for t in _tensors(opt.sharded_state_dict()) if t.dim() > 0
+    }
+    assert_all(
+        err < 1e-12 and where == {str(device)},
+        f"stage {stage} on {device}: max deviation {err}, tensors on {where}",
+    )
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("stage", [1, 2])
 def test_each_rank_holds_its_share_of_the_state(stage):

@@ -411,6 +411,41 @@ def test_ddp_trains_as_one_process_on_the_whole_batch(case):
     assert_all(worst <= tol, f"{case}: parameters differ from one process by {worst:.2e}")
 
 
+@pytest.mark.parametrize("device", DEVICE_PARAMS)
+@pytest.mark.parametrize("view", [False, True], ids=["copies", "bucket_view"])
+def test_ddp_on_the_device_trains_as_one_process(device, view):
+    """DDP over "mpidp" with the model on `device` (make gpu-check runs the cuda case: the
+    buckets go through the engine's CUDA path) equals one process on the whole batch."""
+    dev = use_device(device)
+    n, r = size(), rank()
+    ref = _model().to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        copy.deepcopy(ref), gradient_as_bucket_view=view, bucket_cap_mb=0.0001
+    )
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4 * n, 4, generator=gen).to(dev)
+        y = torch.randint(0, 3, (4 * n,), generator=gen).to(dev)
+        torch.nn.functional.cross_entropy(
+            ddp(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    worst = max(
+        (a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), ref.parameters())
+    )
+    on = {str(p.device) for p in ddp.module.parameters()}
+    assert_all(
+        worst <= 1e-5 and on == {str(dev)},
+        f"on {dev}: parameters differ from one process by {worst:.2e}, live on {on}",
+    )
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_ranks_that_call_differently_get_a_mismatch_error_and_go_on(blocking):
     """Different shapes, then different collectives: a MismatchError on every rank within
