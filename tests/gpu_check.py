@@ -84,8 +84,10 @@ def env_with(site="", **variables):
     """This process's environment with the checkout (and `site`) first on PYTHONPATH (and, as
     root, Open MPI's consent to run as root unless the environment says otherwise)."""
     path = os.pathsep.join(p for p in (ROOT, site, os.environ.get("PYTHONPATH", "")) if p)
-    root = AS_ROOT if hasattr(os, "geteuid") and os.geteuid() == 0 else {}
-    return dict(root, **os.environ, PYTHONPATH=path, **{k: str(v) for k, v in variables.items()})
+    env = dict(AS_ROOT) if hasattr(os, "geteuid") and os.geteuid() == 0 else {}
+    env.update(os.environ)
+    env.update(PYTHONPATH=path, **{k: str(v) for k, v in variables.items()})
+    return env
 
 
 def run(cmd, env, timeout):
