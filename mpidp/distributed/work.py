@@ -120,7 +120,8 @@ class Work(dist.Work):
     def wait(self, timeout=None) -> bool:
         """Block until the call completed; raise its error (mpidp's, e.g. MismatchError).
         Synchronization: the ops of the call, with every rank of the group."""
-        self.complete()
+        if not self._done:  # done is set last, under the lock: the common blocking case skips it
+            self.complete()
         if self._error is not None:
             raise self._error
         return True

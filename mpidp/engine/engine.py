@@ -130,7 +130,7 @@ class Engine:
             self._spin = True
             interrupts.defer()
             if len(entries) == 1 and self._hold(entries[0], queued=True):
-                self._guarded_cycle(entries[0], self._lone)  # express()'s first cycle
+                self._lone_cycle(entries[0], self._lone)  # express()'s first cycle
             while (
                 self._reason is None
                 and not all(e.done() for e in entries)
@@ -148,11 +148,10 @@ class Engine:
     def express(self, entry: Entry, plan: Lane) -> bool:
         """Run `entry`, not submitted, whose name and metadata are in the response cache, to
         completion on this thread if the engine is idle (True). Its first cycle skips the
-        queue, the band's assembly and the batch planning (Negotiator.negotiate_one,
-        Executor.run_one); later ones, needed only if the peers were not ready for this op
-        alone, are drive()'s. `plan`: lane() of its signature. False, with nothing done, when
-        the engine is busy or the op is not cached: submit() it instead. Synchronization: as
-        drive().
+        queue, the band's assembly and the batch planning (_lone_cycle); later ones, needed
+        only if the peers were not ready for this op alone, are drive()'s. `plan`: lane() of
+        its signature. False, with nothing done, when the engine is busy or the op is not
+        cached: submit() it instead. Synchronization: as drive().
         """
         if not interrupts.may_drive() or not self.cycle_lock.acquire(blocking=False):
             return False
@@ -161,10 +160,10 @@ class Engine:
                 return False
             self._spin = True
             interrupts.defer()
-            self._guarded_cycle(entry, plan)
-            while self._reason is None and not entry._done and not interrupts.pending():
-                if not self._guarded_cycle():
-                    self._back_off()
+            if not self._lone_cycle(entry, plan):
+                while self._reason is None and not entry._done and not interrupts.pending():
+                    if not self._guarded_cycle():
+                        self._back_off()
         finally:
             self._driven()
         return True
@@ -282,68 +281,90 @@ class Engine:
             entry.set_error(self._reason)
         self.queue.notify()
 
-    def _guarded_cycle(self, first: Optional[Entry] = None, plan: Optional[Lane] = None) -> bool:
+    def _guarded_cycle(self) -> bool:
         """One cycle; an exception stops the engine (and fails every op) instead of escaping."""
         try:
             with normal_mode():  # a user thread in inference mode may drive it
-                return self._cycle(first, plan)
+                return self._cycle()
         except BaseException as exc:
-            logger.error(
-                "engine failed on rank %d%s",
-                self.rank,
-                (
-                    ": a second Ctrl-C before the first one's cycle ended"
-                    if isinstance(exc, KeyboardInterrupt)
-                    else ":\n" + traceback.format_exc()
-                ),
-            )
-            self.clean = False  # peers may be in a collective it left: shutdown() ends the job
-            self._halt(
-                EngineShutdownError(
-                    f"mpidp's engine failed on rank {self.rank}: {type(exc).__name__}: {exc}"
-                )
-            )
-            if not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt on a driving user thread belongs to the user
-            return False
+            return self._cycle_failed(exc)
 
-    def _cycle(self, first: Optional[Entry] = None, plan: Optional[Lane] = None) -> bool:
-        """Drain, negotiate, execute, complete (`first`: express()'s op, held, alone, with its
-        `plan`). True if it made progress."""
-        began = time.monotonic()
-        self.stats.cycles += 1
-        if first is not None:
-            assert plan is not None  # express() hands its op with the op's plan
-            drained = [first]
-            sent = plan.band(first.bit, self.neg.cache.num_bits)
-            responses, stopped, params = self.neg.negotiate_one(
-                first, self.queue.ops, self._stopping, sent
+    def _lone_cycle(self, entry: Entry, plan: Lane) -> bool:
+        """The first cycle of a lone held op (express(), drive()) with its `plan`; True when it
+        completed the op. The band carries its bit alone; when every rank is ready for this op
+        and nothing else, the plan's data path runs it at once: no draining, no band assembly,
+        no batch planning, none of a general cycle's layers (the express lane's latency is in
+        its Python calls). Any other answer is concluded as a general cycle concludes it."""
+        try:
+            neg = self.neg
+            self.stats.cycles += 1
+            began = time.monotonic()
+            sent = plan.band(entry.bit, neg.cache.num_bits)
+            responses, stopped, params = neg.negotiate_one(
+                entry, self.queue.ops, self._stopping, sent
             )
             if (
-                params is None
+                plan.op is not None
+                and params is None
                 and len(responses) == 1
-                and responses[0].name == first.name
+                and responses[0].name == entry.name
                 and responses[0].op == OpType.ALLREDUCE
             ):
-                self.executor.run_one(responses[0], first, self.queue, plan)  # the common case
+                self.executor.run_lone(responses[0], entry, self.queue, plan)  # the common case
                 return True
-        else:
-            drained = self.queue.drain()
-            if self.timeline is not None and drained:
-                self.timeline.drained(drained, began)
-            for entry in drained:
-                self.neg.admit(entry)
-            if self.sampler is not None and self._tune is None:
-                self._tune = self.sampler.poll(self.stats.bytes, bool(self.queue.ops))
-            # Spin for the peers only while a user thread is blocked on a result: during a
-            # backward pass the CPU belongs to the gradients still being computed.
-            responses, stopped, params = self.neg.negotiate(
-                self.queue.ops,
-                self._stopping,
-                self._user_waits(),
-                self._tune,
-                lambda: self.timeline,
+            with normal_mode():
+                self._conclude(responses, stopped, params, [entry], began)
+            return entry._done
+        except BaseException as exc:
+            return self._cycle_failed(exc)
+
+    def _cycle_failed(self, exc: BaseException) -> bool:
+        """A cycle raised `exc`: stop the engine and fail every op (False: no progress);
+        re-raise a KeyboardInterrupt, which belongs to the user thread that drove the cycle."""
+        logger.error(
+            "engine failed on rank %d%s",
+            self.rank,
+            (
+                ": a second Ctrl-C before the first one's cycle ended"
+                if isinstance(exc, KeyboardInterrupt)
+                else ":\n" + traceback.format_exc()
+            ),
+        )
+        self.clean = False  # peers may be in a collective it left: shutdown() ends the job
+        self._halt(
+            EngineShutdownError(
+                f"mpidp's engine failed on rank {self.rank}: {type(exc).__name__}: {exc}"
             )
+        )
+        if not isinstance(exc, Exception):
+            raise exc
+        return False
+
+    def _cycle(self) -> bool:
+        """Drain, negotiate, execute, complete. True if it made progress."""
+        began = time.monotonic()
+        self.stats.cycles += 1
+        drained = self.queue.drain()
+        if self.timeline is not None and drained:
+            self.timeline.drained(drained, began)
+        for entry in drained:
+            self.neg.admit(entry)
+        if self.sampler is not None and self._tune is None:
+            self._tune = self.sampler.poll(self.stats.bytes, bool(self.queue.ops))
+        # Spin for the peers only while a user thread is blocked on a result: during a
+        # backward pass the CPU belongs to the gradients still being computed.
+        responses, stopped, params = self.neg.negotiate(
+            self.queue.ops,
+            self._stopping,
+            self._user_waits(),
+            self._tune,
+            lambda: self.timeline,
+        )
+        return self._conclude(responses, stopped, params, drained, began)
+
+    def _conclude(self, responses, stopped: bool, params, drained: List[Entry], began: float):
+        """The rest of a cycle once the band was read: stop, switch parameters, execute the
+        responses, complete. True if the cycle made progress."""
         if stopped:
             self._halt(EngineShutdownError(self._stop_reason()))
             return True

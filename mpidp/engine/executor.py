@@ -80,20 +80,18 @@ class Executor:
         for batch in batches:
             self._batch(batch, [ops.get(r.name) for r in batch], tl)
 
-    def run_one(self, resp: Response, entry: Entry, queue, lane) -> None:
-        """run([resp]) and release() for an allreduce of one tensor whose op is in flight
-        (Engine.express's common case), with nothing to sort or plan; by `lane` (its
-        lane.Lane) when that has a data path."""
-        if lane.op is None:
-            self._batch([resp], [entry], None)
-        else:
-            try:
-                lane.run(entry.tensor[0], entry.output[0], self.stats)
-            except Exception as exc:
-                self._failed([resp], [entry], exc)
-            else:
-                self.complete(entry, result=entry.output)
-        self.release(queue)
+    def run_lone(self, resp: Response, entry: Entry, queue, lane) -> None:
+        """run([resp]) and release() for an allreduce of one tensor, in flight alone, by its
+        `lane` (lane.Lane, which has a data path): nothing to sort, plan or hand over in bulk.
+        Synchronization: the allreduce with every rank of the engine."""
+        try:
+            lane.run(entry.tensor[0], entry.output[0], self.stats)
+        except Exception as exc:
+            self._failed([resp], [entry], exc)
+            self.release(queue)
+            return
+        queue.finished(entry)  # first, so the waiter may reuse the name at once
+        entry.set_result(entry.output)
 
     def _batch(self, batch: List[Response], entries: List[Optional[Entry]], tl) -> None:
         op = batch[0].op

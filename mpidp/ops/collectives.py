@@ -95,14 +95,11 @@ def allreduce_(
 ):
     """Reduce `tensor` in place across ranks; returns it. Synchronization: as allreduce."""
     if name is not None and average is None:
-        reduce_op = op_args.resolve_op(None, op, "allreduce_")
-        if (
-            express.allreduce(
-                tensor, name, reduce_op, prescale_factor, postscale_factor, process_set, True
-            )
-            is not None
-        ):
-            return tensor
+        out = express.allreduce(
+            tensor, name, op, prescale_factor, postscale_factor, process_set, True
+        )
+        if out is not None:
+            return out
     return _allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 

@@ -6,7 +6,7 @@ from ..engine.messages import OpType
 from ..engine.tensor_queue import Entry
 from ..runtime import world
 from ..runtime.process_sets import member_of
-from .op_args import check_reduction, check_tensor, request
+from .op_args import check_reduction, check_tensor, request, resolve_op
 
 # Validated requests by call signature, one table per init(); cleared when it grows past this
 # (names made per step, such as f"loss.{step}", would otherwise grow it without end).
@@ -18,23 +18,14 @@ _memo_state = None
 def _prepared(tensor, name, op, pre, post, process_set, inplace, key):
     """(engine, request, cache key, lane plan) for this call, validated as the general path
     validates; None where that path must run (it raises what is wrong)."""
-    global _memo_state
-    state = world.current()
-    if state is None or state.forked:  # the general path says what is wrong
-        return None
-    if state is not _memo_state:
-        _memo.clear()
-        _memo_state = state
-    hit = _memo.get(key)
-    if hit is not None:
-        return hit
     try:
+        reduce_op = resolve_op(None, op, f"allreduce {name!r}")
         _, member = member_of(process_set, "allreduce")
         t = check_tensor(tensor, f"allreduce {name!r}", inplace)
-        check_reduction(t, op, pre, post, f"allreduce {name!r}")
-    except (TypeError, ValueError):
+        check_reduction(t, reduce_op, pre, post, f"allreduce {name!r}")
+    except (TypeError, ValueError, NotImplementedError):
         return None
-    req = request(name, True, OpType.ALLREDUCE, t, op, pre, post)
+    req = request(name, True, OpType.ALLREDUCE, t, reduce_op, pre, post)
     if len(_memo) >= _MEMO_MAX:
         _memo.clear()
     engine = member.engine
@@ -45,9 +36,12 @@ def _prepared(tensor, name, op, pre, post, process_set, inplace, key):
 def allreduce(tensor, name: str, op, pre: float, post: float, process_set, inplace: bool):
     """The result of mpidp.allreduce (or allreduce_ when `inplace`) of `tensor` under `name`,
     or None when the general path must run it: first use of the signature, engine busy
-    (another thread's ops, a backward pass), a name or tensor the general path refuses.
+    (another thread's ops, a backward pass), a name or tensor the general path refuses. `op`
+    as the caller gave it (None: Average). The lane's latency is its Python calls: this is
+    the whole route of a repeated call, kept short on purpose.
     Synchronization: the band and the allreduce with every rank of the process set.
     """
+    global _memo_state
     if (
         not isinstance(tensor, torch.Tensor)
         or tensor.layout is not torch.strided
@@ -59,10 +53,18 @@ def allreduce(tensor, name: str, op, pre: float, post: float, process_set, inpla
         ps = getattr(process_set, "process_set_id", process_set)
         if ps is None:  # not registered: the general path says so
             return None
-    key = (name, op, pre, post, ps, inplace, tensor.dtype, tensor.shape, tensor.device)
-    prepared = _prepared(tensor, name, op, pre, post, process_set, inplace, key)
-    if prepared is None:
+    state = world.current()
+    if state is None or state.forked:  # the general path says what is wrong
         return None
+    if state is not _memo_state:
+        _memo.clear()
+        _memo_state = state
+    key = (name, op, pre, post, ps, inplace, tensor.dtype, tensor.shape, tensor.device)
+    prepared = _memo.get(key)
+    if prepared is None:
+        prepared = _prepared(tensor, name, op, pre, post, process_set, inplace, key)
+        if prepared is None:
+            return None
     engine, req, cache_key, plan = prepared
     src = tensor.detach() if tensor.requires_grad else tensor
     out = src if inplace else torch.empty_like(src)

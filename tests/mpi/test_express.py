@@ -112,20 +112,22 @@ def test_express_ops_count_in_stats_and_leave_the_engine_thread_asleep():
     before = mpidp.stats()
     eng = _engine()
     threads = []
-    original = eng._cycle
 
-    def spy(*args):
-        import threading
+    def spied(run):
+        def spy(*args):
+            import threading
 
-        threads.append(threading.current_thread().name)
-        return original(*args)
+            threads.append(threading.current_thread().name)
+            return run(*args)
 
-    eng._cycle = spy
+        return spy
+
+    eng._cycle, eng._lone_cycle = spied(eng._cycle), spied(eng._lone_cycle)
     try:
         for _ in range(5):
             run_all(mpidp.allreduce, t, name=name, op=mpidp.Sum)
     finally:
-        del eng._cycle
+        del eng._cycle, eng._lone_cycle
     after = mpidp.stats()
     delta = after["by_op"]["allreduce"]["bytes"] - before["by_op"]["allreduce"]["bytes"]
     assert_all(delta == 5 * 32, f"allreduce bytes grew by {delta}, not 5 x 32")

@@ -21,7 +21,7 @@ def _engine():
 
 class _Spy:
     """Counts drive()'s lone takes (Engine._hold with queued=True) and the threads that run
-    cycles."""
+    cycles (general ones and a lone op's first)."""
 
     def __init__(self):
         self.eng = _engine()
@@ -29,7 +29,7 @@ class _Spy:
         self.threads = []
 
     def __enter__(self):
-        hold, cycle = self.eng._hold, self.eng._cycle
+        hold, cycle, lone = self.eng._hold, self.eng._cycle, self.eng._lone_cycle
 
         def spy_hold(entry, queued=False):
             taken = hold(entry, queued)
@@ -38,15 +38,19 @@ class _Spy:
                 self.lone += taken
             return taken
 
-        def spy_cycle(*args):
-            self.threads.append(threading.current_thread().name)
-            return cycle(*args)
+        def spied(run):
+            def spy(*args):
+                self.threads.append(threading.current_thread().name)
+                return run(*args)
 
-        self.eng._hold, self.eng._cycle = spy_hold, spy_cycle
+            return spy
+
+        self.eng._hold, self.eng._cycle = spy_hold, spied(cycle)
+        self.eng._lone_cycle = spied(lone)
         return self
 
     def __exit__(self, *exc):
-        del self.eng._hold, self.eng._cycle
+        del self.eng._hold, self.eng._cycle, self.eng._lone_cycle
 
 
 def _bucket(step):
