@@ -22,8 +22,7 @@ class CallNames:
 
     def __init__(self, tag: str):
         self._tag = tag
-        self._names: Dict[tuple, List[str]] = {}
-        self._counts: Dict[tuple, int] = {}
+        self._slots: Dict[tuple, list] = {}  # signature -> [its names, calls made]
         self._inflight: Dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -37,12 +36,12 @@ class CallNames:
         else:
             sig = (kind,) + tuple((t.dtype, t.shape if shaped else ()) for t in tensors)
         with self._lock:
-            names = self._names.get(sig)
-            if names is None:
-                names = self._names[sig] = self._made(kind, tensors, shaped)
-            n = self._counts.get(sig, 0)
-            self._counts[sig] = n + 1
-        name = names[n % NAMES_PER_SIGNATURE]
+            slot = self._slots.get(sig)  # [its names, calls made]: one lookup per call
+            if slot is None:
+                slot = self._slots[sig] = [self._made(kind, tensors, shaped), 0]
+            n = slot[1]
+            slot[1] = n + 1
+        name = slot[0][n % NAMES_PER_SIGNATURE]
         if not self._inflight:
             return name
         pending = self._inflight.pop(name, None)
@@ -68,7 +67,8 @@ class CallNames:
         calls it waits on, so the group's next calls match again."""
         if isinstance(error, MismatchError):
             with self._lock:
-                self._counts.clear()
+                for slot in self._slots.values():
+                    slot[1] = 0
                 self._inflight.clear()
 
     def submitted(self, name: str, handle: int) -> int:
