@@ -5,11 +5,13 @@
 #   tests/run_suite.sh [unit] [mpi] [variants] [integration]   (no argument: all, in that order)
 #
 # Stages:
-#   unit         python -m pytest tests/unit                        (single process)
+#   unit         python -m pytest tests/unit                        (single process; beside the mpi
+#                stage's first launch when mpi follows it)
 #   mpi          mpiexec -n N python -m pytest --with-mpi tests/mpi  for each N in $NPS
 #   variants     the collective suite ($VARIANT_TESTS) again on other data paths and transports:
 #                MPIDP_BACKEND=gloo at n=3, hierarchical allreduce over simulated 2-rank nodes at
-#                n=4 (less $HIER_SKIP), and MPICH forced onto TCP (tests/run_tcp_env.sh) at n=3
+#                n=4 (less $HIER_SKIP), and MPICH forced onto TCP (tests/run_tcp_env.sh) at n=3;
+#                under gloo and hierarchical, test_backends.py only its session-path test
 #   integration  python -m pytest -n $INTEGRATION_WORKERS tests/integration   (tests launch mpiexec
 #                themselves; pytest-xdist workers, the test clusters' tests taking turns on one)
 #
@@ -78,20 +80,40 @@ record() {  # record STAGE STATUS DETAIL
 
 # run_stage NAME NPROCS TIMEOUT CMD...   (NPROCS = ranks whose closing lines to expect, 1 if no MPI)
 run_stage() {
+    local name="$1"
+    echo
+    echo "==== [$name] ${*:4}"
+    start_stage "$@"
+    finish_stage "$name"
+}
+
+# start_stage NAME NPROCS TIMEOUT CMD...: the stage in the background, its output in its log only
+# (finish_stage prints it); run_stage's foreground stages tee it as it comes.
+declare -A STAGE_PID STAGE_START STAGE_NPROCS STAGE_LIMIT
+start_stage() {
     local name="$1" nprocs="$2" limit="$3"
     shift 3
-    local log="$LOGDIR/$name.log" rc start secs
-    echo
-    echo "==== [$name] $*"
-    start=$SECONDS
+    local log="$LOGDIR/$name.log"
+    : >"$log"
+    STAGE_START[$name]=$SECONDS STAGE_NPROCS[$name]=$nprocs STAGE_LIMIT[$name]=$limit
     # On expiry timeout sends SIGTERM (SIGKILL 30 s later) to its process group. Hydra's proxies and
     # ranks setsid() out of that group; they go because mpiexec tears them down on SIGTERM (checked
     # with a hung barrier at np=3). A killed launch leaves a /dev/shm/mpich_shm_* segment behind.
     # stdin from /dev/null: hydra forwards stdin to rank 0, and CI has none.
-    timeout -k 30 "$limit" "$@" </dev/null 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
-    secs=$((SECONDS - start))
-    local closing
+    (timeout -k 30 "$limit" "$@" </dev/null >"$log" 2>&1; echo "$? $SECONDS" >"$log.rc") &
+    STAGE_PID[$name]=$!
+}
+
+# finish_stage NAME: wait for a started stage (showing its log as it grows if it runs in the
+# foreground) and record its result.
+finish_stage() {
+    local name="$1" log="$LOGDIR/$1.log" rc secs closing
+    local nprocs="${STAGE_NPROCS[$1]}" limit="${STAGE_LIMIT[$1]}"
+    tail -n +1 -s 0.2 -f --pid="${STAGE_PID[$name]}" "$log"
+    wait "${STAGE_PID[$name]}"
+    local ended
+    read -r rc ended <"$log.rc" || { rc=1 ended=$SECONDS; }
+    secs=$((ended - STAGE_START[$name]))  # its own time, also when it ran beside another stage
     closing="$(closing_line "$log" | tr -d '\n')"
     if [[ $rc -eq 0 ]]; then
         record "$name" PASS "(${secs}s) ${closing}"
@@ -104,10 +126,32 @@ run_stage() {
     fi
 }
 
+UNIT_PENDING=""
+
+# stage_unit [background]: with `background` (the mpi stage follows), the unit tests run beside
+# the mpi stage's first launch: one process each, on a 2-core machine about 20 s saved; the unit
+# log is shown, and its result recorded, once that launch is done (finish_unit).
 stage_unit() {
     if ! has_tests tests/unit; then record unit SKIP "no test files in tests/unit"; return; fi
-    run_stage unit 1 "$UNIT_TIMEOUT" \
-        python -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread tests/unit
+    local cmd=(python -m pytest -q -p no:cacheprovider --timeout=300 --timeout-method=thread
+               tests/unit)
+    if [[ "${1:-}" == background ]]; then
+        echo
+        echo "==== [unit] ${cmd[*]} (beside the mpi stage's first launch; its log follows it)"
+        start_stage unit 1 "$UNIT_TIMEOUT" "${cmd[@]}"
+        UNIT_PENDING=1
+    else
+        run_stage unit 1 "$UNIT_TIMEOUT" "${cmd[@]}"
+    fi
+}
+
+finish_unit() {
+    if [[ -n "$UNIT_PENDING" ]]; then
+        UNIT_PENDING=""
+        echo
+        echo "==== [unit] (run beside the mpi stage's first launch)"
+        finish_stage unit
+    fi
 }
 
 stage_mpi() {
@@ -117,7 +161,9 @@ stage_mpi() {
         OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" run_stage "mpi-np$n" "$n" "$MPI_TIMEOUT" \
             mpiexec -n "$n" python -m pytest --with-mpi -p no:cacheprovider -q \
             --timeout=120 --timeout-method=thread tests/mpi
+        finish_unit
     done
+    finish_unit
 }
 
 VARIANT_TESTS="${VARIANT_TESTS:-tests/mpi/test_allreduce.py tests/mpi/test_other_collectives.py \
@@ -133,16 +179,31 @@ tests/mpi/test_sharded.py}"
 # test_optimizer.py (DistributedOptimizer's buckets) run there.
 HIER_SKIP="${HIER_SKIP-tests/mpi/test_sharded.py tests/mpi/test_into_output.py}"
 
+# test_backends.py builds its data paths (flat MPI, gloo, the staged twin) from explicit configs
+# on communicators of its own, whatever MPIDP_BACKEND or the hierarchical variables say: under
+# gloo and hierarchical it runs what mpi-np3 and mpi-np4 run, but for its test of the session's
+# own path. Those two variants run that test alone; TCP (another transport under every path)
+# runs the whole file.
+SESSION_PATH_TEST="tests/mpi/test_backends.py::test_session_backend_runs_the_ops"
+
+session_path_only() {  # the arguments, test_backends.py cut to SESSION_PATH_TEST
+    local f
+    for f in "$@"; do
+        if [[ "$f" == tests/mpi/test_backends.py ]]; then echo "$SESSION_PATH_TEST"; else echo "$f"; fi
+    done
+}
+
 stage_variants() {
     local pytest_mpi=(python -m pytest --with-mpi -p no:cacheprovider -q --timeout=120
                       --timeout-method=thread)
-    local hier_tests=() f
-    for f in $VARIANT_TESTS; do
+    local hier_tests=() gloo_tests=() f
+    # shellcheck disable=SC2086  # VARIANT_TESTS is a list of paths
+    mapfile -t gloo_tests < <(session_path_only $VARIANT_TESTS)
+    for f in "${gloo_tests[@]}"; do
         if [[ " $HIER_SKIP " != *" $f "* ]]; then hier_tests+=("$f"); fi
     done
-    # shellcheck disable=SC2086  # VARIANT_TESTS is a list of paths
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MPIDP_BACKEND=gloo \
-        run_stage "gloo-np3" 3 "$MPI_TIMEOUT" mpiexec -n 3 "${pytest_mpi[@]}" $VARIANT_TESTS
+        run_stage "gloo-np3" 3 "$MPI_TIMEOUT" mpiexec -n 3 "${pytest_mpi[@]}" "${gloo_tests[@]}"
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MPIDP_HIERARCHICAL_ALLREDUCE=1 \
         MPIDP_SIMULATED_LOCAL_SIZE=2 \
         run_stage "hier-np4" 4 "$MPI_TIMEOUT" mpiexec -n 4 "${pytest_mpi[@]}" "${hier_tests[@]}"
@@ -173,15 +234,17 @@ echo "python:  $(command -v python) ($(python -V 2>&1))"
 echo "mpiexec: $(command -v mpiexec || echo 'NOT FOUND')"
 echo "NPS:     $NPS"
 
-for stage in "${stages[@]}"; do
+for i in "${!stages[@]}"; do
+    stage="${stages[$i]}"
     case "$stage" in
-        unit) stage_unit ;;
+        unit) if [[ "${stages[$((i + 1))]:-}" == mpi ]]; then stage_unit background; else stage_unit; fi ;;
         mpi) stage_mpi ;;
         variants) stage_variants ;;
         integration) stage_integration ;;
         *) echo "run_suite.sh: unknown stage '$stage' (want unit, mpi, variants, integration)" >&2; exit 2 ;;
     esac
 done
+finish_unit  # in case the mpi stage found no tests to run
 
 echo
 echo "==================== mpidp test summary ===================="
