@@ -49,8 +49,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     def _blocking_allreduce(self, t: torch.Tensor, name: str, op) -> None:
         try:
-            # The express lane first, without the public call's layers (torch calls a process
-            # group's methods from C++: nothing here is traced by torch.compile).
+            # The express lane first, without the public call's layers (nothing here is traced:
+            # under torch.compile dist.all_reduce becomes a functional collective, which reaches
+            # the group when it runs).
             if express.allreduce(t, name, op, 1.0, 1.0, self._ps, True) is None:
                 allreduce_(t, name=name, op=op, process_set=self._ps)
         except MismatchError as exc:

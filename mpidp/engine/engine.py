@@ -161,7 +161,7 @@ class Engine:
             self._spin = True
             interrupts.defer()
             if not self._lone_cycle(entry, plan):
-                while self._reason is None and not entry._done and not interrupts.pending():
+                while self._reason is None and not entry.done() and not interrupts.pending():
                     if not self._guarded_cycle():
                         self._back_off()
         finally:
@@ -314,7 +314,7 @@ class Engine:
                 return True
             with normal_mode():
                 self._conclude(responses, stopped, params, [entry], began)
-            return entry._done
+            return entry.done()
         except BaseException as exc:
             return self._cycle_failed(exc)
 

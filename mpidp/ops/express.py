@@ -60,7 +60,10 @@ def allreduce(tensor, name: str, op, pre: float, post: float, process_set, inpla
         _memo.clear()
         _memo_state = state
     key = (name, op, pre, post, ps, inplace, tensor.dtype, tensor.shape, tensor.device)
-    prepared = _memo.get(key)
+    try:
+        prepared = _memo.get(key)
+    except TypeError:  # an unhashable op or factor: the general path says what is wrong
+        return None
     if prepared is None:
         prepared = _prepared(tensor, name, op, pre, post, process_set, inplace, key)
         if prepared is None:

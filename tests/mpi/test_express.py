@@ -194,6 +194,12 @@ def test_calls_the_express_lane_refuses_still_give_the_general_paths_answers():
     assert_all(out.dtype == torch.float32, f"decompressed to {out.dtype}")
     raises_all(TypeError, mpidp.allreduce, [1.0], name=name + ".list")
     raises_all(ValueError, mpidp.allreduce_, wide, name=name + ".strided_inplace")
+    # The lane resolves the op only for a new signature: an unknown or unhashable one still
+    # gets the general path's message, and the name still works afterwards.
+    for bad in ("nope", [1]):
+        raises_all(ValueError, mpidp.allreduce_, torch.ones(2), name=name, op=bad, match="op")
+    out = run_all(mpidp.allreduce_, torch.ones(2), name=name, op=mpidp.Sum)
+    check_tensor(out, torch.full((2,), float(size())), "after refused ops")
 
 
 @pytest.mark.mpi
