@@ -296,6 +296,9 @@ class MultiHostCluster:
                 "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
                 # The keys live under /tmp, whose mode sshd's StrictModes refuses.
                 f"StrictModes no\nPidFile {d / f'sshd_{h.name}.pid'}\nLogLevel ERROR\n"
+                # sshd drops new connections at random beyond 10 unauthenticated ones (its
+                # default 10:30:100); a cut link leaves the launcher's half-open ones behind.
+                "MaxStartups 100\n"
             )
 
     def _build_network(self):
@@ -351,8 +354,11 @@ class MultiHostCluster:
         """Cut `host` off the bridge (its veth down: both ends lose carrier)."""
         _run(["ip", "link", "set", self.host(host).veth, "down"])
 
-    def link_up(self, host):
+    def link_up(self, host, timeout=30):
+        """Put `host` back on the bridge; return once its sshd answers through the link again
+        (a launch right after `ip link set up` met "Connection reset by peer" in a CI run)."""
         _run(["ip", "link", "set", self.host(host).veth, "up"])
+        self._wait_ssh(self.host(host), timeout)
 
     def check(self, seconds=0.6, pings=200):
         """Measure every host's link (a one-stream TCP transfer each way between the host and
