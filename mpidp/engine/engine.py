@@ -298,7 +298,6 @@ class Engine:
         try:
             neg = self.neg
             self.stats.cycles += 1
-            began = time.monotonic()
             sent = plan.band(entry.bit, neg.cache.num_bits)
             responses, stopped, params = neg.negotiate_one(
                 entry, self.queue.ops, self._stopping, sent
@@ -313,7 +312,8 @@ class Engine:
                 self.executor.run_lone(responses[0], entry, self.queue, plan)  # the common case
                 return True
             with normal_mode():
-                self._conclude(responses, stopped, params, [entry], began)
+                # The op was made just before this cycle: its time stands for the cycle's start.
+                self._conclude(responses, stopped, params, [entry], entry.submitted)
             return entry.done()
         except BaseException as exc:
             return self._cycle_failed(exc)

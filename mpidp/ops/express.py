@@ -23,7 +23,7 @@ def _prepared(tensor, name, op, pre, post, process_set, inplace, key):
         _, member = member_of(process_set, "allreduce")
         t = check_tensor(tensor, f"allreduce {name!r}", inplace)
         check_reduction(t, reduce_op, pre, post, f"allreduce {name!r}")
-    except (TypeError, ValueError, NotImplementedError):
+    except (TypeError, ValueError):
         return None
     req = request(name, True, OpType.ALLREDUCE, t, reduce_op, pre, post)
     if len(_memo) >= _MEMO_MAX:
