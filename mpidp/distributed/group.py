@@ -14,6 +14,7 @@ from ..ops.collectives import allreduce_
 from ..runtime.process_sets import global_process_set, member_of
 from . import conversions as conv
 from . import p2p
+from .held import Held
 from .naming import CallNames
 from .work import Work
 
@@ -41,6 +42,7 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         self._names = CallNames(
             "w" if process_set is None else f"s{'.'.join(map(str, self._ranks))}"
         )
+        self._held = Held(self._names.failed)
 
     # ---- what torch asks of a process group ----
 
@@ -80,9 +82,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
 
     # ---- reductions ----
 
-    def _allreduce_one(self, t: torch.Tensor, red, blocking: bool):
-        """Submit the allreduce of `t` in place (None if it ran at once, blocking); returns
-        (handle or None, finish)."""
+    def _allreduce_one(self, t: torch.Tensor, red, blocking: bool, hold: bool = False):
+        """Submit the allreduce of `t` in place; returns (handle, finish): handle None if it ran
+        at once (blocking), the call's Work if it is held (`hold`, see Held)."""
         op, pre = conv.engine_op(red)
         wire = conv.reducible(t, op, "all_reduce")
         work_t = wire if wire.is_contiguous() else wire.contiguous()
@@ -96,10 +98,16 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             self._blocking_allreduce(work_t, name, op)
             finish()
             return None, finish
-        hid = allreduce_ops.allreduce_async_(
-            work_t, name=name, op=op, prescale_factor=pre, process_set=self._ps
-        )
-        return self._names.submitted(name, hid), finish
+
+        def submit() -> int:
+            hid = allreduce_ops.allreduce_async_(
+                work_t, name=name, op=op, prescale_factor=pre, process_set=self._ps
+            )
+            return self._names.submitted(name, hid)
+
+        if hold:
+            return self._held.hold(name, submit, lambda _: (finish(), [t])[1]), finish
+        return submit(), finish
 
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
@@ -112,9 +120,12 @@ class ProcessGroupMpidp(dist.ProcessGroup):
                 return self._done
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
-        hid, finish = self._allreduce_one(tensors[0], opts.reduceOp, not opts.asyncOp)
+        hold = opts.asyncOp and self._held.applies(tensors[0])
+        hid, finish = self._allreduce_one(tensors[0], opts.reduceOp, not opts.asyncOp, hold)
         if hid is None:
             return Work.finished(tensors)
+        if hold:
+            return hid
         return self._work([hid], lambda _: (finish(), tensors)[1])
 
     def allreduce_coalesced(self, tensors, opts=None):

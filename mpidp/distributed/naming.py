@@ -4,7 +4,7 @@ import threading
 from typing import Dict, List, Sequence
 
 from ..errors import MismatchError
-from ..ops.waits import poll, synchronize
+from ..ops.waits import when_done
 
 # Ops of one signature in flight at once on a group before the next waits for the oldest: a
 # name is reused every NAMES_PER_SIGNATURE calls, so that repeated calls hit the engine's
@@ -46,12 +46,14 @@ class CallNames:
             return name
         pending = self._inflight.pop(name, None)
         if pending is not None:
-            # Every rank submitted that call before this one, so it completes.
+            # Every rank submitted that call before this one, so it completes. Waited for, not
+            # synchronized: its result is its work's, which may be waited for later.
+            done = threading.Event()
             try:
-                if not poll(pending):
-                    synchronize(pending)
+                when_done(pending, done.set)
             except ValueError:
-                pass  # its work synchronized it meanwhile: the handle is spent
+                return name  # its work synchronized it meanwhile: the handle is spent
+            done.wait()
         return name
 
     def _made(self, kind: str, tensors: Sequence, shaped: bool) -> List[str]:

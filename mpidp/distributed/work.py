@@ -89,6 +89,11 @@ class Work(dist.Work):
         elif not pending:
             self.complete()
 
+    def attach(self, handles: List[int]) -> None:
+        """Give a work made `pending` the handles of its call's ops, once they are submitted."""
+        self._handles = handles
+        _COMPLETIONS.watch(self, handles)
+
     @classmethod
     def finished(cls, value: List[torch.Tensor], source_rank: int = -1) -> "Work":
         """A work whose call already completed (a blocking call run at once)."""

@@ -187,3 +187,25 @@ def my_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def max_deviation(model, ref) -> float:
     """The largest difference between the two models' parameters."""
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def ddp_beside_one_process(ddp, ref, steps: int, seed: int, device="cpu") -> float:
+    """Train `ddp` (DistributedDataParallel over a copy of `ref`) on each rank's 4 rows of float
+    batches of 4 features and 3 classes, and `ref` on the whole batch, with SGD; returns the
+    largest difference between their parameters."""
+    n, r = size(), rank()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4 * n, 4, generator=gen).to(device)
+        y = torch.randint(0, 3, (4 * n,), generator=gen).to(device)
+        torch.nn.functional.cross_entropy(
+            ddp(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max_deviation(ddp.module, ref)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from devices import DEVICE_PARAMS, use_device
-from mpi_util import assert_all, raises_all, rank, size, tensor_diff
+from mpi_util import assert_all, ddp_beside_one_process, raises_all, rank, size, tensor_diff
 
 import mpidp
 import mpidp.distributed
@@ -417,28 +417,11 @@ def test_ddp_on_the_device_trains_as_one_process(device, view):
     """DDP over "mpidp" with the model on `device` (make gpu-check runs the cuda case: the
     buckets go through the engine's CUDA path) equals one process on the whole batch."""
     dev = use_device(device)
-    n, r = size(), rank()
     ref = _model().to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(
         copy.deepcopy(ref), gradient_as_bucket_view=view, bucket_cap_mb=0.0001
     )
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(4 * n, 4, generator=gen).to(dev)
-        y = torch.randint(0, 3, (4 * n,), generator=gen).to(dev)
-        torch.nn.functional.cross_entropy(
-            ddp(x[4 * r : 4 * r + 4]), y[4 * r : 4 * r + 4]
-        ).backward()
-        opt.step()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    worst = max(
-        (a - b).abs().max().item() for a, b in zip(ddp.module.parameters(), ref.parameters())
-    )
+    worst = ddp_beside_one_process(ddp, ref, steps=3, seed=1, device=dev)
     on = {str(p.device) for p in ddp.module.parameters()}
     assert_all(
         worst <= 1e-5 and on == {str(dev)},

@@ -1,0 +1,188 @@
+"""torch.distributed over "mpidp": async allreduces called in a backward pass are held to its end
+where the overlap rule says overlapping does not pay, and whatever waits on them still gets them."""
+
+import copy
+import logging
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi_util import assert_all, ddp_beside_one_process, rank, size, tensor_diff
+
+import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
+from mpidp.distributed import held
+from mpidp.training import overlap
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    dist.init_process_group("mpidp")
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def group(monkeypatch, request):
+    """A fresh "mpidp" group (each decides overlap at its first async allreduce) whose overlap
+    rule answers `request.param` (default False: calls in a backward pass are held)."""
+    overlaps = getattr(request, "param", False)
+    monkeypatch.setattr(overlap, "decide", lambda state, params: overlaps)
+    g = dist.new_group(backend="mpidp")
+    yield g
+    dist.destroy_process_group(g)
+
+
+class _InBackward(torch.autograd.Function):
+    """Runs `during(grad)` in its backward, that is inside the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, during):
+        ctx.during = during
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.during(grad)
+        return grad, None
+
+
+def _backward_with(during):
+    x = torch.ones(3, requires_grad=True)
+    _InBackward.apply(x, during).sum().backward()
+
+
+def test_held_in_backward_and_submitted_when_it_ends(group):
+    n, r = size(), rank()
+    seen = {}
+
+    def during(_):
+        t = torch.full((5,), float(r + 1))
+        seen["work"], seen["t"] = dist.all_reduce(t, async_op=True, group=group), t
+        time.sleep(0.05)  # time enough for a submitted 20 B allreduce to finish
+        seen["during"] = seen["work"].is_completed()
+
+    _backward_with(during)
+    seen["work"].get_future().wait()  # the future, as DDP waits: it completes
+    seen["work"].wait()
+    problem = tensor_diff(seen["t"], torch.full((5,), n * (n + 1) / 2))
+    assert_all(
+        not seen["during"] and not problem, f"done during backward: {seen['during']}; {problem}"
+    )
+
+
+@pytest.mark.parametrize("group", [True], indirect=True)
+def test_nothing_held_where_overlap_pays(group):
+    seen = {}
+
+    def during(_):
+        t = torch.ones(2)
+        seen["work"], seen["t"] = dist.all_reduce(t, async_op=True, group=group), t
+        seen["work"].wait()  # submitted at once: completes inside the backward pass
+
+    _backward_with(during)
+    problem = tensor_diff(seen["t"], torch.full((2,), float(size())))
+    assert_all(not problem, problem)
+
+
+def test_wait_inside_backward_submits_what_is_held(group):
+    """A wait on a held call inside the backward pass submits it (and every call held before
+    it), in call order, and the ranks' names still match."""
+    n = size()
+    out = []
+
+    def during(_):
+        ts = [torch.full((k + 1,), 1.0) for k in range(3)]
+        works = [dist.all_reduce(t, async_op=True, group=group) for t in ts]
+        works[1].wait()
+        deadline = time.monotonic() + 30
+        while not works[0].is_completed() and time.monotonic() < deadline:
+            time.sleep(0.005)  # no wait(): submitted with works[1], the engine runs it
+        out.append(works[0].is_completed())
+        works[2].wait()
+        out.extend(ts)
+
+    _backward_with(during)
+    problems = [tensor_diff(t, torch.full(t.shape, float(n))) for t in out[1:]]
+    assert_all(out[0] and not any(problems), f"the first done: {out[0]}; {problems}")
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["held", "not_held"], indirect=True)
+def test_more_calls_of_one_signature_than_names_each_get_their_result(group):
+    """More calls of one signature in flight than a group has names for it (CallNames): a later
+    call with the name of one held submits and waits for that one first; of one in flight,
+    waits for it without taking its result from its work."""
+    n = size()
+    out = []
+
+    def during(_):
+        ts = [torch.full((4,), float(k)) for k in range(7)]
+        works = [dist.all_reduce(t, async_op=True, group=group) for t in ts]
+        out.extend(zip(ts, works))
+
+    _backward_with(during)
+    for _, w in out:
+        w.wait()
+    problems = [tensor_diff(t, torch.full((4,), float(k * n))) for k, (t, _) in enumerate(out)]
+    assert_all(not any(problems), str(problems))
+
+
+def test_a_wait_no_method_sees_is_released_by_the_limit(group, monkeypatch, caplog):
+    """`fut.then(f).wait()` inside the backward pass waits where no method of the group sees
+    it: the held call is submitted after HOLD_LIMIT_S, with a warning, instead of hanging."""
+    monkeypatch.setattr(held, "HOLD_LIMIT_S", 0.3)
+    out = []
+
+    def during(_):
+        t = torch.ones(3)
+        fut = dist.all_reduce(t, async_op=True, group=group).get_future()
+        start = time.monotonic()
+        out.append(fut.then(lambda f: f.value()[0] * 2).wait())
+        out.append(time.monotonic() - start)
+
+    with caplog.at_level(logging.WARNING, logger="mpidp"):
+        _backward_with(during)
+    problem = tensor_diff(out[0], torch.full((3,), 2.0 * size()))
+    warned = any("held for the end of a backward pass" in m for m in caplog.messages)
+    assert_all(
+        not problem and 0.25 <= out[1] < 10 and warned,
+        f"{problem}; released after {out[1]:.2f} s; warned: {warned}",
+    )
+
+
+def test_outside_backward_nothing_is_held(group):
+    t = torch.ones(2)
+    work = dist.all_reduce(t, async_op=True, group=group)
+    deadline = time.monotonic() + 30
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.005)  # no wait(): the engine runs it on its own
+    assert_all(work.is_completed() and not tensor_diff(t, torch.full((2,), float(size()))))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"bucket_cap_mb": 0.0001},
+        {"static_graph": True, "bucket_cap_mb": 0.0001},
+        {"find_unused_parameters": True},
+        {"gradient_as_bucket_view": True, "hook": "fp16"},
+    ],
+    ids=["small_buckets", "static_graph", "find_unused", "view_fp16_hook"],
+)
+def test_ddp_with_held_buckets_trains_as_one_process(group, opts):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    opts = dict(opts)
+    hook = opts.pop("hook", None)
+    ref = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(ref), process_group=group, **opts)
+    if hook is not None:
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    worst = ddp_beside_one_process(ddp, ref, steps=4, seed=2)
+    tol = 2e-3 if hook else 1e-5
+    assert_all(worst <= tol, f"{opts}: parameters differ from one process by {worst:.2e}")
