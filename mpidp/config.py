@@ -136,8 +136,9 @@ class Config:
         "A tensor reduced on its own is cut into chunks of this many bytes, each one "
         "collective on a slice in place; 0 means never chunk. Cache-sized chunks run at about "
         "twice the bandwidth of one 64 MB call on one host (BENCHMARKS.md). Unset, a job "
-        "whose ranks span hosts does not chunk: there the network sets the pace, and each "
-        "chunk's start and end leave the link idle.",
+        "whose ranks span hosts times its first 3 chunked reductions and, if the link moved "
+        "less than 3 Gbit/s (there the network sets the pace, and each chunk's start and end "
+        "leave it idle), reduces large tensors whole from then on (engine/link.py).",
     )
     cycle_time_ms: float = _knob(
         "MPIDP_CYCLE_TIME_MS",

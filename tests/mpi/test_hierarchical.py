@@ -181,22 +181,38 @@ def test_through_mpidp_ops():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_across_nodes_a_tensor_is_not_chunked_unless_the_knob_is_set():
-    """Across hosts the network sets the pace and each chunk's collective leaves the link idle
-    at its start and end: unset, chunk_bytes does not apply; set, it does. On one node it
-    does."""
+@pytest.mark.parametrize("slow", [False, True], ids=["fast_link", "slow_link"])
+def test_across_nodes_chunks_follow_the_measured_link(monkeypatch, slow):
+    """Across hosts a chunk's collective leaves a slow link idle at its start and end: unless
+    the knob is set, the first link.SAMPLES chunked reductions measure the link, the ranks agree
+    on its pace, and below link.SLOW_LINK_BYTES_PER_S large tensors go whole from then on (on
+    every rank alike: the results stay exact). Set, the knob applies as given; on one node
+    nothing is measured."""
+    from mpidp.engine import link
+
+    monkeypatch.setattr(link, "SLOW_LINK_BYTES_PER_S", 1e30 if slow else 0.0)
     across = Comms(MPI.COMM_WORLD, simulated_local_size=1)
     one_node = Comms(MPI.COMM_WORLD, simulated_local_size=SIZE)
+    default = mpidp_config.load(backend="mpi").chunk_bytes
     try:
-        got = (
-            HostBackend(across, mpidp_config.load(backend="mpi")).chunk_bytes,
-            HostBackend(across, mpidp_config.load(backend="mpi", chunk_bytes=1024)).chunk_bytes,
-            HostBackend(one_node, mpidp_config.load(backend="mpi")).chunk_bytes,
-            across.spans_hosts,
-            one_node.spans_hosts,
-        )
-        default = mpidp_config.load(backend="mpi").chunk_bytes
-        assert_all(got == (0, 1024, default, True, False), f"got {got}")
+        measured = HostBackend(across, mpidp_config.load(backend="mpi"))
+        given = HostBackend(across, mpidp_config.load(backend="mpi", chunk_bytes=1024))
+        local = HostBackend(one_node, mpidp_config.load(backend="mpi"))
+        n = default // 4 + 5  # float32: more than one chunk
+        seen, bad = [], []
+        for k in range(link.SAMPLES + 1):
+            for backend in (measured, given, local):
+                batch, entries = single(f"link.{k}", ALLREDUCE, values((n,), torch.float32, RANK))
+                got = backend.execute(batch, entries)[0]
+                got = got[0] if isinstance(got, list) else got  # an allreduce's parts
+                want = sum(values((n,), torch.float32, r) for r in range(SIZE))
+                if not torch.equal(got, want):
+                    bad.append(k)
+            seen.append(measured.chunk_bytes)
+        after = default if not slow else 0
+        want_seen = [default] * (link.SAMPLES - 1) + [after, after]
+        got = (seen, given.chunk_bytes, local.chunk_bytes, bad)
+        assert_all(got == (want_seen, 1024, default, []), f"got {got}")
     finally:
         across.free()
         one_node.free()

@@ -10,12 +10,13 @@ Hierarchical allreduce: hierarchy.py. Adasum, whatever the data path: adasum.py.
 """
 
 import math
+import time
 from typing import List, Optional
 
 import numpy as np
 import torch
 
-from .. import adasum, dtypes, fusion, half, mpi, scaling
+from .. import adasum, dtypes, fusion, half, link, mpi, scaling
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 from . import hierarchy, parts
@@ -58,11 +59,13 @@ class HostBackend:
         self._planner = fusion.PartPlanner()
         self.hierarchical = hierarchy.usable(comms, config)
         self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
-        # Chunks pay where a reduction is memory copies that fall out of cache; across hosts
-        # each chunk is a collective of its own whose start and end leave the link idle
-        # (64 MB at 1 Gbit/s: 0.78 of the link in 4 MiB chunks, 0.98 whole; BENCHMARKS.md).
-        self.chunk_bytes = (
-            config.chunk_bytes if not self.network or "chunk_bytes" in config.explicit else 0
+        # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
+        # link each chunk's collective leaves the link idle at its start and end. So across
+        # hosts, unless the knob is set, the first chunked reductions measure the link.
+        self.chunk_bytes = config.chunk_bytes
+        self._pace = link.LinkPace(
+            self.comm,
+            self.network and config.chunk_bytes > 0 and "chunk_bytes" not in config.explicit,
         )
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
@@ -119,6 +122,7 @@ class HostBackend:
             return
         if post != 1.0:
             out = out.view(-1)  # the chunks below are flat slices
+        start = time.perf_counter() if self._pace.measuring else None
         for lo in range(0, n, step):
             hi = lo + step
             call(
@@ -131,6 +135,8 @@ class HostBackend:
             )
             if post != 1.0:
                 scaling.scale_(out[lo:hi], post)
+        if start is not None and self._pace.slow_after(recv.nbytes, time.perf_counter() - start):
+            self.chunk_bytes = 0
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
