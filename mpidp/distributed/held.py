@@ -43,7 +43,7 @@ class Held:
     slows both (BENCHMARKS.md, "DDP over mpidp holds its buckets"). Elsewhere nothing is held.
 
     Held calls are submitted, in the order they were called, by the first of: the end of the
-    backward pass (an autograd final callback, queued with the first held call, so it runs
+    backward pass (an autograd final callback, queued with each held call, so that it runs
     before DDP's own, which waits on the buckets' futures), a wait() on one of their works, a
     call whose name one of them holds, or HOLD_LIMIT_S. Names are given at call time, so every
     rank names its calls alike whenever each submits them.
@@ -54,7 +54,6 @@ class Held:
         self._lock = threading.Lock()
         self._calls: List[Tuple[str, Callable[[], int], _HeldWork]] = []
         self._overlap: Dict[str, bool] = {}  # device type -> the overlap rule's answer
-        self._callback_queued = False
 
     def applies(self, tensor: torch.Tensor) -> bool:
         """Whether an async allreduce of `tensor` called now is held: overlap does not pay on
@@ -82,18 +81,12 @@ class Held:
         with self._lock:
             self._calls.append((name, submit, work))
             first = len(self._calls) == 1
-            queue_callback = not self._callback_queued
-            self._callback_queued = True
-        if queue_callback:
-            Variable._execution_engine.queue_callback(self._backward_ended)
+        # One callback per held call, not one per pass: a pass that raised runs none of its
+        # callbacks, and a flag saying "queued" would then outlive it.
+        Variable._execution_engine.queue_callback(self.release)
         if first:
             _DEADLINES.arm(self)
         return work
-
-    def _backward_ended(self) -> None:
-        with self._lock:
-            self._callback_queued = False
-        self.release()
 
     def release(self, late: bool = False) -> None:
         """Submit every held call, in the order they were called. Synchronization: none."""

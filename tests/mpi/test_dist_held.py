@@ -150,6 +150,33 @@ def test_a_wait_no_method_sees_is_released_by_the_limit(group, monkeypatch, capl
     )
 
 
+def test_a_pass_that_raised_leaves_its_calls_to_the_next_pass(group, monkeypatch):
+    """A backward pass that raises runs none of its final callbacks: its held call goes with
+    the next pass's (not after HOLD_LIMIT_S), and its result is right."""
+    monkeypatch.setattr(held, "HOLD_LIMIT_S", 30.0)
+    n = size()
+    out = []
+
+    def failing(_):
+        t = torch.full((2,), 3.0)
+        out.append((t, dist.all_reduce(t, async_op=True, group=group)))
+        raise RuntimeError("a failure in the backward pass")
+
+    def normal(_):
+        t = torch.full((3,), 5.0)
+        out.append((t, dist.all_reduce(t, async_op=True, group=group)))
+
+    with pytest.raises(RuntimeError, match="a failure in the backward pass"):
+        _backward_with(failing)
+    start = time.monotonic()
+    _backward_with(normal)
+    for _, work in out:
+        work.get_future().wait()  # no wait() of ours: the end of the second pass released both
+    took = time.monotonic() - start
+    problems = [tensor_diff(t, torch.full(t.shape, v * n)) for (t, _), v in zip(out, (3.0, 5.0))]
+    assert_all(took < 10 and not any(problems), f"{took:.1f} s; {problems}")
+
+
 def test_outside_backward_nothing_is_held(group):
     t = torch.ones(2)
     work = dist.all_reduce(t, async_op=True, group=group)
