@@ -47,6 +47,12 @@ _BOOL_OPS: Dict[int, MPI.Op] = {
 _YIELD_S = 10e-3
 _POLL_EVERY_S = 1e-3  # poll()'s pace while yielding
 _SLEEP_MAX_S = 1e-3
+# The longest sleep between tests of a data collective whose bytes cross the network while a
+# backward pass has the core: MPICH's TCP transport moves bytes only inside a test, so sleeps
+# of up to 1 ms left a 1 Gbit/s link idle and a reduction overlapped with the backward pass was
+# slower than one after it (ResNet-18 at 1gbe, 2 x 1: 498-518 ms against 471-491; with 30 us,
+# 444-447 ms, BENCHMARKS.md "The network wait's sleeps").
+_NETWORK_SLEEP_MAX_S = 30e-6
 
 
 def mpi_op(reduce_op: int, is_bool: bool):
@@ -323,8 +329,8 @@ def allreduce(
     gradients still being computed (and from the other ranks' on a full node). So unless
     `busy()` says a user waits, the wait gives the core away between tests, switching to the
     blocking wait as soon as `busy()` turns true: with `network` (the ranks span hosts, so the
-    network, not this core, moves the bytes: a test now and then keeps the link full) it sleeps
-    between tests with a bounded back-off; on one host, where MPI copies through shared memory
+    network, not this core, moves the bytes, but only inside MPI's tests) it sleeps between
+    tests, at most _NETWORK_SLEEP_MAX_S; on one host, where MPI copies through shared memory
     only inside its tests, it yields. Always non-blocking: MPI does not match a blocking
     collective with a non-blocking one, and ranks may decide differently; here Iallreduce +
     Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md).
@@ -340,7 +346,7 @@ def allreduce(
             return
         if network:
             time.sleep(delay)
-            delay = min(delay * 2, _SLEEP_MAX_S)
+            delay = min(delay * 2, _NETWORK_SLEEP_MAX_S)
         else:
             os.sched_yield()
 
