@@ -165,8 +165,9 @@ class Config:
         "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
         "parameters are on the CPU, all ranks are on one host and a rank's share of the "
         "host's cores is no more than torch's threads, where overlapping slowed training "
-        "steps by 5-80 % here (BENCHMARKS.md). Across hosts auto is 1: the engine waits for "
-        "the network without spinning.",
+        "steps by 5-80 % here (BENCHMARKS.md). Across hosts auto is 1 (the engine waits for "
+        "the network without spinning) unless a rank has no core to spare and the engine "
+        "measured the link at 3 Gbit/s or more: there the cores set the pace, as on one host.",
         must_agree=False,
     )
     reduce_in_backward: bool = _knob(

@@ -1,5 +1,7 @@
 """Whether chunks pay across hosts: the link's pace, measured on the first chunked reductions."""
 
+from typing import Optional
+
 import numpy as np
 
 from ..log import logger
@@ -25,6 +27,7 @@ class LinkPace:
         self._comm = comm
         self._left = SAMPLES if measure else 0
         self._best = 0.0
+        self.slow: Optional[bool] = None  # the ranks' verdict, once they agreed on one
 
     @property
     def measuring(self) -> bool:
@@ -41,7 +44,7 @@ class LinkPace:
             return False
         rate = np.array([self._best])
         mpi.allreduce(self._comm, None, rate, mpi.mpi_op(ReduceOp.MAX, False))
-        slow = float(rate[0]) < SLOW_LINK_BYTES_PER_S
+        slow = self.slow = float(rate[0]) < SLOW_LINK_BYTES_PER_S
         logger.info(
             "the link between hosts reduced at %.2f Gbit/s: large tensors go %s",
             rate[0] * 8e-9,

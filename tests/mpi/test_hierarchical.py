@@ -216,3 +216,44 @@ def test_across_nodes_chunks_follow_the_measured_link(monkeypatch, slow):
     finally:
         across.free()
         one_node.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("slow", [False, True], ids=["fast_link", "slow_link"])
+def test_auto_overlap_across_hosts_follows_the_measured_link(monkeypatch, slow):
+    """With no core to spare, `auto` overlaps across hosts until the engine has measured the
+    link (engine/link.py), then keeps overlapping on a slow link only (a fast one leaves the
+    pace to the cores, as on one host). The optimizer asks again after each step until then."""
+    from mpidp.engine import link
+    from mpidp.training import overlap
+
+    monkeypatch.setattr(link, "SLOW_LINK_BYTES_PER_S", 1e30 if slow else 0.0)
+    monkeypatch.setattr(overlap, "host_cores", lambda: 1)
+    mpidp.shutdown()
+    mpidp.init(simulated_local_size=1)  # every rank a host of its own
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1100, 1000)  # a 4.4 MB gradient: more than one 4 MiB chunk
+        opt = mpidp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+        )
+        other = torch.nn.Linear(1100, 1000)
+        forced = mpidp.DistributedOptimizer(
+            torch.optim.SGD(other.parameters(), lr=0.01),
+            named_parameters=[(f"other.{k}", v) for k, v in other.named_parameters()],
+        )
+        forced._overlap = True  # as MPIDP_OVERLAP=1 would: never asked again
+        seen = [(opt._overlap, opt._overlap_final)]
+        for o, m in [(opt, model)] * (link.SAMPLES + 1) + [(forced, other)] * 2:
+            m(torch.ones(2, 1100)).sum().backward()  # forced: after the verdict
+            o.step()
+            o.zero_grad()
+            if o is opt:
+                seen.append((opt._overlap, opt._overlap_final))
+        want = [(True, False)] * link.SAMPLES + [(slow, True)] * 2
+        got = (seen, forced._overlap)
+        assert_all(got == (want, True), f"(overlap, final) after each step, forced: {got}")
+    finally:
+        mpidp.shutdown()
+        mpidp.init()

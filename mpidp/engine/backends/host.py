@@ -74,6 +74,12 @@ class HostBackend:
     def close(self) -> None:
         """Nothing to release: the communicators belong to Comms."""
 
+    @property
+    def link_slow(self) -> Optional[bool]:
+        """Across hosts, whether the ranks measured a slow link (engine/link.py); None on one
+        host, with the chunk knob set, or before the first chunked reductions."""
+        return self._pace.slow
+
     def _wire(self, nbytes: int) -> None:
         """Count `nbytes` of this rank's input handed to a collective, in the width it travels."""
         if self.stats is not None:
