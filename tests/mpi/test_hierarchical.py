@@ -230,7 +230,9 @@ def test_auto_overlap_across_hosts_follows_the_measured_link(monkeypatch, slow):
     monkeypatch.setattr(link, "SLOW_LINK_BYTES_PER_S", 1e30 if slow else 0.0)
     monkeypatch.setattr(overlap, "host_cores", lambda: 1)
     mpidp.shutdown()
-    mpidp.init(simulated_local_size=1)  # every rank a host of its own
+    # Every rank a host of its own, on the MPI data path (the one that measures the link;
+    # a gloo path across hosts never measures, and auto then overlaps as before).
+    mpidp.init(simulated_local_size=1, backend="mpi")
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(1100, 1000)  # a 4.4 MB gradient: more than one 4 MiB chunk
