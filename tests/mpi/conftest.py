@@ -1,5 +1,7 @@
 """Session set-up for the MPI test suite: mpidp.init() once on every rank, shutdown at the end."""
 
+import gc
+
 import pytest
 from devices import DEVICE_PARAMS, use_device
 from mpi_util import assert_all, gather, raises_all, run_all  # noqa: F401 (re-exported helpers)
@@ -19,8 +21,16 @@ def mpidp_session():
 def mpidp_still_initialised(mpidp_session):
     """After each test, mpidp must still be initialised on every rank (lifecycle tests re-init)
     and every rank must have numbered the same count of unnamed ops; if not, fail the test and
-    re-initialise so that later tests are not failed by it."""
+    re-initialise so that later tests are not failed by it.
+
+    Before that, every rank collects the test's garbage and freezes what survives (a test's
+    lazy imports: torch.optim, torch.distributed, about 120 000 objects), as tests/conftest.py
+    does once after collection: a DistributedOptimizer whose names another one used collects
+    first (training/buckets.py), and a full collection over those objects took 60-120 ms, 6 of
+    test_sharded.py's 17 s at n=4."""
     yield
+    gc.collect()
+    gc.freeze()
     ok = mpidp.is_initialized()
     views = gather((ok, _unnamed_counter() if ok else None))
     counters = [c for _, c in views]
