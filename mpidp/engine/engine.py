@@ -29,7 +29,7 @@ class Engine:
     """One per process set; all of its MPI calls are made under its cycle lock, by its own
     thread or by a user thread that drives an idle engine through a blocking call."""
 
-    def __init__(self, comms, config, set_id: int = 0):
+    def __init__(self, comms, config, set_id: int = 0, shared_store=None):
         self.comms = comms
         self.set_id = set_id  # process set this engine serves (0: the global set)
         self.config = config
@@ -39,7 +39,7 @@ class Engine:
         self.neg = Negotiator(comms, config, self.stats)  # posts the wake-up receive
         backend = self.sampler = None
         try:
-            self.backend = backend = make_backend(comms, config)
+            self.backend = backend = make_backend(comms, config, shared_store)
             self.backend.busy = self._user_waits
             self.backend.stats = self.stats
             self.tuned = autotune.Tuned(config)

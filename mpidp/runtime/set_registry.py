@@ -138,7 +138,11 @@ def _create(MPI, st, ranks: tuple, start: bool, members_only_tag: int = -1) -> i
     if comm != MPI.COMM_NULL:
         comms = Comms(comm, st.config.simulated_local_size)
         comm.Free()
-        engine = Engine(comms, st.config, sid)
+        # The world's store, where its engine has one: no new connections (torchdist.open_group).
+        world = st.members.get(0)
+        engine = Engine(
+            comms, st.config, sid, world.engine.backend.group_store() if world else None
+        )
         st.members[sid] = Member(sid, ranks, engine, st.comms.rank)
         if start:
             engine.start()

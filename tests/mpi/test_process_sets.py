@@ -188,6 +188,23 @@ def test_each_set_keeps_its_own_stats(evens_odds):
     raises_all(ValueError, mpidp.stats, process_set=other, match="is not in process set")
 
 
+def test_a_sets_process_group_is_set_up_through_the_worlds_store(evens_odds):
+    """Under MPIDP_BACKEND=gloo a set's group is set up through the world's store, under a
+    prefix of its own: no new store connection, each of which may wait 5 s for a reverse name
+    lookup (engine/backends/torchdist.py, open_group). On MPI's path neither has a store."""
+    from mpidp.runtime import world
+
+    mine, _ = _mine(*evens_odds)
+    st = world.state()
+    ours = st.members[0].engine.backend.group_store()
+    theirs = st.members[mine.process_set_id].engine.backend.group_store()
+    gloo = st.config.backend == "gloo"
+    ok = theirs is ours and (ours is not None) == gloo
+    assert_all(ok, f"backend {st.config.backend}: world store {ours!r}, set store {theirs!r}")
+    out = run_all(mpidp.allreduce, torch.ones(2), name="ps.store", process_set=mine, op=mpidp.Sum)
+    assert_all(out.tolist() == [float(mine.size())] * 2, f"allreduce on the set: {out}")
+
+
 def test_distributed_optimizer_on_a_set(evens_odds, device):
     rank, size = _world()
     mine, _ = _mine(*evens_odds)

@@ -91,6 +91,15 @@ class Dispatch:
             )
         return backend.execute(batch, entries, *fusion_limits)
 
+    def group_store(self):
+        """The store a path's process group was set up through (gloo or NCCL), or None where
+        every path is MPI's: a process set's engine sets its own groups up through it."""
+        for backend in self._innermost():
+            store = getattr(backend, "store", None)
+            if store is not None:
+                return store
+        return None
+
     def link_slow(self, kind: str) -> Optional[bool]:
         """The link_slow verdict of the path for `kind` tensors ('cpu', 'cuda'); None where
         the path measures none (HostBackend.link_slow)."""
@@ -115,8 +124,9 @@ class Dispatch:
             backend.close()
 
 
-def make_backend(comms, config):
+def make_backend(comms, config, shared_store=None):
     """The data paths for one engine, chosen by the `backend` and `cuda_aware_mpi` knobs.
+    `shared_store`: see torchdist.open_group (a process set's engine passes the world's).
 
     Synchronization: collective over `comms.world` when a process group is created (gloo;
     nccl when a GPU is present). Called by every rank of the communicator during init(),
@@ -140,14 +150,16 @@ def make_backend(comms, config):
     if choice == "gloo":
         from .torchdist import ProcessGroupBackend, open_group
 
-        gloo = ProcessGroupBackend(comms, config, *open_group(comms, config, "gloo"))
+        gloo = ProcessGroupBackend(comms, config, *open_group(comms, config, "gloo", shared_store))
         routes["cpu"], names["cpu"] = gloo, "gloo"
     if gpu:
-        routes["cuda"], names["cuda"] = _cuda_route(comms, config, choice, avail, host, gloo)
+        routes["cuda"], names["cuda"] = _cuda_route(
+            comms, config, choice, avail, host, gloo, shared_store
+        )
     return Dispatch(routes, names)
 
 
-def _cuda_route(comms, config, choice, avail, host, gloo):
+def _cuda_route(comms, config, choice, avail, host, gloo, shared_store):
     from . import cuda
 
     if choice == "gloo":
@@ -155,7 +167,7 @@ def _cuda_route(comms, config, choice, avail, host, gloo):
     if choice == "nccl" or (choice == "auto" and avail.get("nccl")):
         from .torchdist import ProcessGroupBackend, open_group
 
-        nccl = ProcessGroupBackend(comms, config, *open_group(comms, config, "nccl"))
+        nccl = ProcessGroupBackend(comms, config, *open_group(comms, config, "nccl", shared_store))
         return cuda.StreamOrdered(nccl), "nccl"
     if cuda.cuda_aware_mpi(config.cuda_aware_mpi):
         return cuda.StreamOrdered(host), "mpi (CUDA-aware)"

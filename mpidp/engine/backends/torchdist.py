@@ -28,6 +28,7 @@ code ran on CUDA tensors at one rank on an H100 (2026-11-27), never between seve
 import datetime
 import math
 import socket
+import uuid
 from typing import Optional
 
 import numpy as np
@@ -103,22 +104,33 @@ def serve_store(comms, config, what: str):
     return host, port, store
 
 
-def open_group(comms, config, kind: str):
+def open_group(comms, config, kind: str, shared_store=None):
     """Create this communicator's `kind` ('gloo' or 'nccl') process group; returns (group, store).
 
-    Synchronization: collective over `comms.world` (an MPI broadcast of the store address, then
-    the process group's own connection set-up through the store).
+    `shared_store`: a store every rank of `comms` already holds a client of (the world's, for a
+    process set's group): the group's keys go under a prefix of their own in it, and no new
+    connection is made. Each TCPStore connection costs a reverse lookup of its address inside
+    torch (for its log lines), which, where no name server answers, waits 5 s now and then
+    (every 25th connection of a process here): one in every few process sets under gloo.
+
+    Synchronization: collective over `comms.world` (an MPI broadcast of the store address, or
+    of the prefix, then the process group's own connection set-up through the store).
     """
     if kind not in ("gloo", "nccl"):
         raise ValueError(f"no process group kind {kind!r}")
-    host, port, store = serve_store(comms, config, f"{kind} process group")
-    if store is None:
-        store = dist.TCPStore(host, port, comms.size, False, STORE_TIMEOUT)
-    prefixed = dist.PrefixStore(f"mpidp/{kind}", store)
+    if shared_store is not None:
+        token = mpi.bcast_object(comms.world, uuid.uuid4().hex if comms.rank == 0 else None, 0)
+        store, prefix = shared_store, f"mpidp/{kind}/{token}"
+    else:
+        host, port, store = serve_store(comms, config, f"{kind} process group")
+        if store is None:
+            store = dist.TCPStore(host, port, comms.size, False, STORE_TIMEOUT)
+        prefix = f"mpidp/{kind}"
+    prefixed = dist.PrefixStore(prefix, store)
     make = dist.ProcessGroupGloo if kind == "gloo" else dist.ProcessGroupNCCL
     # torch's stubs omit the defaults of the last argument (gloo's timeout, NCCL's options).
     group = make(prefixed, comms.rank, comms.size)  # type: ignore[call-arg]
-    logger.debug("%s process group of %d ranks up (store %s:%d)", kind, comms.size, host, port)
+    logger.debug("%s process group of %d ranks up (store prefix %s)", kind, comms.size, prefix)
     return group, store
 
 
@@ -132,6 +144,11 @@ class ProcessGroupBackend(HostBackend):
         self.group = group
         self._store = store  # rank 0 serves the store; it must live as long as the group
         self.hierarchical = False  # the process group's own algorithms apply
+
+    @property
+    def store(self):
+        """The store the group was set up through (None once closed)."""
+        return self._store
 
     def reduce_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
         """Reductions run in the tensor's own dtype (int16 aside, see _reduce_flat)."""
