@@ -6,8 +6,9 @@ several engines in one process never collide) and broadcasts (host, port) over M
 ranks connect, and every rank constructs the backend object (`ProcessGroupGloo` /
 `ProcessGroupNCCL`) directly on a PrefixStore. Nothing touches torch.distributed's global default
 group, so user code may run its own `init_process_group` beside mpidp, and each process set gets
-its own group. A TCPStore, not a FileStore: it needs no file system shared by all nodes.
-The host announced is the `rendezvous_host` knob, or rank 0's host name.
+its own group, set up through the world's store under a prefix of its own. A TCPStore, not a
+FileStore: it needs no file system shared by all nodes. The host announced is the
+`rendezvous_host` knob, or rank 0's host name.
 
 Execution (`ProcessGroupBackend`): negotiation stays on MPI; only tensor data moves through the
 group. Results equal the MPI host path's exactly wherever that one is exact, because the
