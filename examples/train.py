@@ -10,8 +10,10 @@ writes a checkpoint after every epoch and, with --resume, continues from it.
 """
 
 import argparse
+import importlib.util
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -61,15 +63,23 @@ def pick_device(choice):
     return device
 
 
+def sklearn_digits():
+    """The file scikit-learn's load_digits() reads, read without importing scikit-learn: its
+    import (SciPy's with it) costs each rank more CPU at start-up than these epochs train."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the digits ship inside scikit-learn: pip install scikit-learn, or --data")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    table = np.loadtxt(folder / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+
+
 def datasets(seed, path=None):
     if path:
         with np.load(path) as digits:
             images, target = digits["images"], digits["target"]
     else:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        images, target = digits.images, digits.target
+        images, target = sklearn_digits()
     x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(target, dtype=torch.int64)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

@@ -9,15 +9,20 @@ from mpi_util import assert_all, gather, rank, run_all, size, tensor_diff
 import mpidp
 
 
-def _uneven_round(name, steps, late):
-    """This rank does `steps` Sum-allreduces of ones named <name>.step<k>, then joins; the rank
-    `late` sleeps first so that it joins last. Returns (results, join's return value)."""
+def _uneven_round(name, steps):
+    """This rank does `steps` Sum-allreduces of ones named <name>.step<k>, then joins. Returns
+    (results, join's return value). The rank with the most steps joins last: its last
+    allreduce, submitted by it alone, completes only once every other rank has joined."""
     outs = []
     for k in range(steps):
         outs.append(mpidp.allreduce(torch.ones(3), op=mpidp.Sum, name=f"{name}.step{k}"))
-    if rank() == late:
-        time.sleep(0.4)
     return outs, mpidp.join()
+
+
+def _after_the_others_joined(name):
+    """A Sum-allreduce of one on this rank alone: it completes once every other rank has
+    joined (they contribute zeros), so this rank's join() comes last. Returns its value."""
+    return mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name=f"{name}.alone").item()
 
 
 @pytest.mark.mpi
@@ -27,7 +32,7 @@ def test_join_uneven_allreduces_then_normal_ops():
 
     def body():
         # Round 1: rank r does r+1 steps, so step k has the n-k ranks r >= k; rank n-1 is last.
-        round1 = _uneven_round(f"{name}.r1", r + 1, n - 1)
+        round1 = _uneven_round(f"{name}.r1", r + 1)
         after = mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name=f"{name}.after")
         # Names first negotiated while ranks were joined, now used by every rank (cache hits).
         reuse = [
@@ -35,7 +40,7 @@ def test_join_uneven_allreduces_then_normal_ops():
             for k in range(n)
         ]
         # Round 2, the other way round: rank r does n-r steps; rank 0 joins last.
-        round2 = _uneven_round(f"{name}.r2", n - r, 0)
+        round2 = _uneven_round(f"{name}.r2", n - r)
         after2 = mpidp.allgather(torch.tensor([r]), name=f"{name}.after2")
         return round1, after, reuse, round2, after2
 
@@ -92,8 +97,7 @@ def test_join_with_fused_async_batches_of_mixed_dtypes(device):
                 )
             )
             results.append([mpidp.synchronize(h) for h in hs])
-        if r == n - 1:
-            time.sleep(0.4)
+        # Rank n-1's last step is its own alone: it ends once every other rank has joined.
         return results, mpidp.join()
 
     results, last = run_all(body)
@@ -158,15 +162,15 @@ def test_ops_refused_while_ranks_are_joined(kind):
             s = mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name=f"{name}.sum")
             if s.tolist() != [float(n - 1)] * 2:
                 msg = f"Sum while rank 0 joined gave {s.tolist()}"
-        if r == n - 1:
-            time.sleep(0.4)
-        return msg, mpidp.join()
+        alone = _after_the_others_joined(name) if r == n - 1 else 1.0
+        return msg, alone, mpidp.join()
 
-    msg, last = run_all(body)
-    ok = last == n - 1 and (r == 0 or (msg is not None and "join" in msg and name in msg))
+    msg, alone, last = run_all(body)
+    ok = last == n - 1 and alone == 1.0
+    ok = ok and (r == 0 or (msg is not None and "join" in msg and name in msg))
     # Sparse gradients are gathered: the message says how to train them with join().
     ok = ok and (r == 0 or kind != "allgather" or "sparse_as_dense=True" in msg)
-    assert_all(ok, f"join() returned {last}; message: {msg!r}")
+    assert_all(ok, f"join() returned {last}; alone {alone}; message: {msg!r}")
     msgs = gather(msg)[1:]
     assert_all(all(m == msgs[0] for m in msgs), f"different messages: {msgs}")
 
@@ -208,12 +212,14 @@ def test_barrier_while_a_rank_is_joined():
         if r != 0:
             mpidp.barrier()
             mpidp.allreduce(torch.ones(1), op=mpidp.Sum)
-        if r == n - 1:
-            time.sleep(0.4)
+        alone = _after_the_others_joined(name) if r == n - 1 else 1.0
         last = mpidp.join()
         out = mpidp.allreduce(torch.ones(1), op=mpidp.Sum, name=f"{name}.after")
         unnamed = mpidp.synchronize(mpidp.allreduce_async(torch.ones(1), op=mpidp.Sum), timeout=30)
-        return last, out.item() + unnamed.item() - n
+        return last, alone, out.item() + unnamed.item() - n
 
-    last, after = run_all(body)
-    assert_all(last == n - 1 and after == n, f"join() -> {last}, allreduce after -> {after}")
+    last, alone, after = run_all(body)
+    assert_all(
+        last == n - 1 and alone == 1.0 and after == n,
+        f"join() -> {last}, alone -> {alone}, allreduce after -> {after}",
+    )
