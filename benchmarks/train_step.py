@@ -9,8 +9,9 @@ ratios: mpidp / the best hand-written MPI strategy after backward (per-tensor: o
 Allreduce per gradient; hybrid: gradients < 64 KB packed into one buffer, larger ones in place in
 4 MB chunks), DDP step / mpidp step, DDP over backend "mpidp" (mpidp.distributed) against DDP
 over gloo and against mpidp's own optimizer (also with DDP's gradient_as_bucket_view, which
-saves DDP's copies into and out of its buckets), and scaling efficiency (no-communication step /
-mpidp step).
+saves DDP's copies into and out of its buckets, and with a comm hook that reduces nothing: DDP's
+own work, a floor no backend lowers), and scaling efficiency (no-communication step / mpidp
+step).
 --overlap-ab adds two mpidp contenders that overlap reductions with backward and that do not,
 whatever MPIDP_OVERLAP's auto picks here (docs: README, MPIDP_OVERLAP).
 """
@@ -76,6 +77,14 @@ class Contender:
         return time.perf_counter() - start
 
 
+def _no_reduction(_state, bucket):
+    """A DDP comm hook that hands the bucket back as it came: what is left of a DDP step is
+    DDP's own work (its copies into and out of the buckets, its hooks), which no backend saves."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def contenders(build, comm, overlap_ab=False):
     torch.manual_seed(0)
     base = build()
@@ -106,6 +115,9 @@ def contenders(build, comm, overlap_ab=False):
         copy.deepcopy(base), process_group=MPIDP_GROUP[0], gradient_as_bucket_view=True
     )
     out.append(Contender("DDP (mpidp backend, bucket view)", m, sgd(m)))
+    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=MPIDP_GROUP[0])
+    m.register_comm_hook(None, _no_reduction)
+    out.append(Contender("DDP (mpidp backend), no reduction", m, sgd(m)))
     m = copy.deepcopy(base)
     raw = comm.Dup()
 
@@ -196,6 +208,8 @@ def main():
             print(f"  DDP (mpidp backend) / mpidp      {on_us / ours:8.3f}   (goal <= 1.05)")
             view = med["DDP (mpidp backend, bucket view)"]
             print(f"  the same, gradient_as_bucket_view {view / ours:7.3f}")
+            bare = med["DDP (mpidp backend), no reduction"]
+            print(f"  DDP, gradients not reduced / mpidp {bare / ours:6.3f}   (DDP's own work)")
             print(
                 f"  scaling efficiency               {base / ours:8.3f}   (no communication "
                 f"/ mpidp)"
