@@ -92,7 +92,12 @@ class CallWatch:
             self._thread.start()
 
     def stop(self) -> None:
+        """End the watch's thread and wait for it (briefly): a process set's engine stops it at
+        removal, and sets added and removed in a loop must not pile threads up."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(1.0)
 
     def _period(self) -> float:
         limits = [t for t in (self.warning_s, self.shutdown_s) if t > 0]

@@ -239,6 +239,7 @@ class Engine:
         )
 
     def _teardown(self) -> None:
+        self.watch.stop()  # at once, not at its next look (up to a second later)
         if self.timeline is not None:
             self.timeline.close()
         if self.sampler is not None:

@@ -160,6 +160,10 @@ class ProcessGroupBackend(HostBackend):
         shutdown = getattr(self.group, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        # The group's threads end when the group is freed: drop it here rather than leave it to
+        # the cycle collector (a removed process set's engine may sit in a reference cycle
+        # until then, or for good in a process that froze its objects with gc.freeze()).
+        self.group = None
         self._store = None
 
     # ---- allreduce: HostBackend's packing and scaling, this reduction ----
