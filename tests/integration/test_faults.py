@@ -130,7 +130,7 @@ def _interrupt(target: str, mode: str = "idle", *args):
     """Start 3 ranks of scripts/interrupt.py in `mode`, send SIGINT to the job's whole process
     group (what Ctrl-C in a terminal does), to rank 2 alone, or to ranks 1 and 2 ("peers");
     returns (exit code, output, seconds to the end)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MPIDP_STALL_WARNING_S="10")
     proc = subprocess.Popen(
         [mpiexec(), "-n", "3", sys.executable, str(SCRIPTS / "interrupt.py"), mode, *args],
         env=env,
@@ -161,7 +161,14 @@ def _interrupt(target: str, mode: str = "idle", *args):
         else:
             for r in (1, 2) if target == "peers" else (2,):
                 os.kill(pids[r], signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # The ranks' own words say where they hang (the catch mode dumps every thread's
+            # stack 20 s into its save, the stall inspector warns at 10 s): show them all.
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            pytest.fail(f"the job did not end within 60 s of SIGINT:\n{''.join(lines)}{out}")
         return proc.returncode, "".join(lines) + out, time.time() - began
     finally:
         if proc.poll() is None:

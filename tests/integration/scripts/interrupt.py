@@ -2,6 +2,7 @@
 save a checkpoint before it ends (every rank prints 'saved' then)."""
 
 import argparse
+import faulthandler
 import os
 import time
 
@@ -40,5 +41,8 @@ else:
     try:
         train_forever()
     except KeyboardInterrupt:
+        # A save that hangs shows every thread's stack (a hang once seen in CI, never here).
+        faulthandler.dump_traceback_later(20)
         mpidp.checkpoint.save(args.checkpoint, model=model, optimizer=opt)
+        faulthandler.cancel_dump_traceback_later()
         print(f"saved {mpidp.rank()}", flush=True)
