@@ -123,12 +123,10 @@ class Engine:
         """
         if all(e.done() for e in entries):
             return
-        if not interrupts.may_drive() or not self.cycle_lock.acquire(blocking=False):
-            self.queue.notify()  # it may have been told of nothing (submit(notify=False))
+        if not self._take_cycle_lock(notify=True):
             return
         try:
             self._spin = True
-            interrupts.defer()
             if len(entries) == 1 and self._hold(entries[0], queued=True):
                 self._lone_cycle(entries[0], self._lone)  # express()'s first cycle
             while (
@@ -153,13 +151,12 @@ class Engine:
         its signature. False, with nothing done, when the engine is busy or the op is not
         cached: submit() it instead. Synchronization: as drive().
         """
-        if not interrupts.may_drive() or not self.cycle_lock.acquire(blocking=False):
+        if not self._take_cycle_lock(notify=False):
             return False
         try:
             if not self._hold(entry):
                 return False
             self._spin = True
-            interrupts.defer()
             if not self._lone_cycle(entry, plan):
                 while self._reason is None and not entry.done() and not interrupts.pending():
                     if not self._guarded_cycle():
@@ -167,6 +164,27 @@ class Engine:
         finally:
             self._driven()
         return True
+
+    def _take_cycle_lock(self, notify: bool) -> bool:
+        """Take the cycle lock for this user thread if it may drive the engine and the lock is
+        free (True), holding a Ctrl-C from before the lock is taken (interrupts.py): one raised
+        between taking it and the `try` whose `finally` gives it back would leave it taken for
+        good, and every later op of this rank waiting (a KeyboardInterrupt can land right after
+        any call returns). False, holding nothing, otherwise: `notify` wakes the engine thread
+        first (drive()'s ops may have been submitted without a wake-up), then a Ctrl-C held
+        meanwhile is raised."""
+        if not interrupts.may_drive():
+            if notify:
+                self.queue.notify()
+            return False
+        started = interrupts.defer()
+        if self.cycle_lock.acquire(blocking=False):
+            return True
+        if notify:
+            self.queue.notify()
+        if started:
+            interrupts.deliver()
+        return False
 
     def _driven(self) -> None:
         """A user thread stops driving: release the cycle lock to the engine thread; raise the

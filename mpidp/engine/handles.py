@@ -7,6 +7,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import OpTimeoutError
 
+_LOOK_S = 1.0  # how often a waiter looks at the done flag besides the lock (Handle.wait)
+
 
 def _timed_out(name: str, timeout: float) -> OpTimeoutError:
     return OpTimeoutError(
@@ -59,13 +61,21 @@ class Handle:
             fn(self)
 
     def wait(self, timeout: Optional[float] = None):
-        """Block until completed; raise its error (a fresh copy per waiter) or OpTimeoutError."""
+        """Block until completed; raise its error (a fresh copy per waiter) or OpTimeoutError.
+
+        Completion releases the lock once, and each waiter passes it on; a waiter whose Ctrl-C
+        lands between taking and passing it keeps it, so waiters also look at the done flag
+        every _LOOK_S rather than trusting the lock alone."""
         if not self._done:
-            if timeout is None:
-                self._lock.acquire()
-            elif not self._lock.acquire(timeout=timeout):
-                raise _timed_out(self.name, timeout)
-            self._lock.release()  # let any other waiter through too
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._done:
+                left = _LOOK_S
+                if timeout is not None and deadline is not None:
+                    left = min(left, deadline - time.monotonic())
+                    if left <= 0:
+                        raise _timed_out(self.name, timeout)
+                if self._lock.acquire(timeout=left):
+                    self._lock.release()  # let any other waiter through too
         if self._error is not None:
             raise type(self._error)(*self._error.args)
         return self._result

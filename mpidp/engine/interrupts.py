@@ -50,11 +50,14 @@ def install() -> None:
     signal.signal(signal.SIGINT, _on_sigint)
 
 
-def defer() -> None:
-    """This thread starts running engine cycles: on the main thread, hold a first SIGINT."""
+def defer() -> bool:
+    """This thread is about to run engine cycles: on the main thread, hold a first SIGINT.
+    True if this call started holding (the main thread was not holding already)."""
     global _driving
-    if threading.get_ident() == _MAIN:
-        _driving = True
+    if threading.get_ident() != _MAIN or _driving:
+        return False
+    _driving = True
+    return True
 
 
 def pending() -> bool:

@@ -28,6 +28,22 @@ def test_wait_timeout_raises_op_timeout_and_stays_pending():
     assert h.wait(0.01) == "late"
 
 
+def test_a_waiter_ends_even_when_another_waiter_kept_the_lock(monkeypatch):
+    """Completion releases the lock once; a waiter whose Ctrl-C lands between taking it and
+    passing it on keeps it. The other waiters still end, by the done flag."""
+    import mpidp.engine.handles as handles
+
+    monkeypatch.setattr(handles, "_LOOK_S", 0.05)
+    h = Handle("shared")
+    seen = []
+    waiter = threading.Thread(target=lambda: seen.append(h.wait()))
+    waiter.start()
+    # As set_result, but the release went to a waiter that was interrupted before passing it on.
+    h._result, h._done = "value", True
+    waiter.join(5)
+    assert not waiter.is_alive() and seen == ["value"]
+
+
 def test_set_error_then_wait_raises_that_type_with_same_message():
     h = Handle("a")
     err = MismatchError("allreduce 'a': rank 0 sent ...")

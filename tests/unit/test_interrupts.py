@@ -80,3 +80,19 @@ def test_the_main_thread_does_not_drive_cycles_while_a_job_signal_has_a_python_h
         assert seen == [True]  # only the main thread runs Python signal handlers
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_defer_says_whether_it_started_holding(installed):
+    """A driving call nested in another (a completion callback that blocks) must not end the
+    outer call's hold when it gives up."""
+    assert interrupts.defer() is True
+    assert interrupts.defer() is False
+    _ctrl_c()
+    assert interrupts.pending()
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.deliver()
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(interrupts.defer()))
+    worker.start()
+    worker.join()
+    assert seen == [False]  # only the main thread holds Ctrl-C
