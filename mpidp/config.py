@@ -163,11 +163,10 @@ class Config:
         "auto",
         "1: DistributedOptimizer starts a bucket's reduction during the backward pass, once its "
         "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
-        "parameters are on the CPU, all ranks are on one host and a rank's share of the "
-        "host's cores is no more than torch's threads, where overlapping slowed training "
-        "steps by 5-80 % here (BENCHMARKS.md). Across hosts auto is 1 (the engine waits for "
-        "the network without spinning) unless a rank has no core to spare and the engine "
-        "measured the link at 3 Gbit/s or more: there the cores set the pace, as on one host.",
+        "parameters are on the CPU and a rank's share of its host's cores is no more than "
+        "torch's threads: there the backward pass keeps the cores busy, and overlapping "
+        "slowed training steps by 5-80 % on one host and by up to 22 % across hosts, over "
+        "1 Gbit/s links as over 10 Gbit/s ones (BENCHMARKS.md).",
         must_agree=False,
     )
     reduce_in_backward: bool = _knob(
@@ -278,7 +277,10 @@ class Config:
         _parse_bool,
         False,
         "Allreduce as reduce-scatter inside each node, allreduce across nodes, allgather "
-        "inside the node (on host memory too).",
+        "inside the node (on host memory too). Unset, 16-bit floats on host memory go this "
+        "way wherever there are several nodes of several ranks (MPICH runs their user-defined "
+        "op in whole-buffer rounds that send twice the bytes over each node's link; "
+        "BENCHMARKS.md) and every other dtype flat; 0 keeps everything flat.",
         horovod="HOROVOD_HIERARCHICAL_ALLREDUCE",
     )
     simulated_local_size: int = _knob(

@@ -62,9 +62,7 @@ class Held:
         device = tensor.device.type
         overlaps = self._overlap.get(device)
         if overlaps is None:
-            overlaps, final = overlap.decide(world.state(), [tensor])
-            if final:  # across hosts not before the engine measured the link
-                self._overlap[device] = overlaps
+            overlaps = self._overlap[device] = overlap.decide(world.state(), [tensor])
         return not overlaps and torch._C._current_autograd_node() is not None
 
     def hold(self, name: str, submit: Callable[[], int], finish) -> Work:

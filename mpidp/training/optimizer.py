@@ -106,7 +106,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._hook_id: Dict[torch.Tensor, int] = {}  # each trained parameter's hook handle id
         self._guards = pass_guard.Guards([], self._before_accumulation)
         self._layout()
-        self._overlap, self._overlap_final = overlap.decide(world.state(), self._trained)
+        self._overlap = overlap.decide(world.state(), self._trained)
 
     def __repr__(self):
         return f"DistributedOptimizer({self._opt!r})"
@@ -172,7 +172,6 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
     @_overlap.setter
     def _overlap(self, flag: bool) -> None:
         self._overlapping = bool(flag)
-        self._overlap_final = True  # set from outside (benchmarks, tests): no asking again
         self._guards.set(self._overlapping)
 
     @property
@@ -342,8 +341,6 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             self._reduce()
         self._end_step()
         self._step.synchronize_done()
-        if not self._overlap_final:  # `auto` across hosts, until the engine measured the link
-            self._overlap, self._overlap_final = overlap.decide(world.state(), self._trained)
 
     def _reduce(self) -> None:
         """Submit what is left, wait for every bucket, put the results in .grad."""

@@ -27,7 +27,7 @@ def group(monkeypatch, request):
     """A fresh "mpidp" group (each decides overlap at its first async allreduce) whose overlap
     rule answers `request.param` (default False: calls in a backward pass are held)."""
     overlaps = getattr(request, "param", False)
-    monkeypatch.setattr(overlap, "decide", lambda state, params: (overlaps, True))
+    monkeypatch.setattr(overlap, "decide", lambda state, params: overlaps)
     g = dist.new_group(backend="mpidp")
     yield g
     dist.destroy_process_group(g)

@@ -1,5 +1,5 @@
 """overlap.decide: the knob, and auto's rule (device parameters, cores per rank vs threads,
-ranks across hosts and the engine's measure of the link)."""
+on one host and across hosts alike)."""
 
 from types import SimpleNamespace
 
@@ -9,19 +9,18 @@ import torch
 from mpidp.training import overlap
 
 
-def _state(setting, local_size, size=None, link_slow=None):
+def _state(setting, local_size, size=None):
     return SimpleNamespace(
         config=SimpleNamespace(overlap=setting),
         local_size=local_size,
         comms=SimpleNamespace(size=local_size if size is None else size),
-        engine=SimpleNamespace(backend=SimpleNamespace(link_slow=lambda kind: link_slow)),
     )
 
 
 @pytest.mark.parametrize("setting, expected", [("1", True), ("0", False)])
 def test_explicit_setting_wins(monkeypatch, setting, expected):
     monkeypatch.setattr(overlap, "host_cores", lambda: 64)
-    assert overlap.decide(_state(setting, 1), [torch.zeros(1)]) == (expected, True)
+    assert overlap.decide(_state(setting, 1), [torch.zeros(1)]) == expected
 
 
 @pytest.mark.parametrize(
@@ -38,29 +37,24 @@ def test_auto_overlaps_cpu_training_only_with_a_spare_core(
 ):
     monkeypatch.setattr(overlap, "host_cores", lambda: cores)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert overlap.decide(_state("auto", ranks), [torch.zeros(1)]) == (expected, True)
+    assert overlap.decide(_state("auto", ranks), [torch.zeros(1)]) == expected
 
 
 def test_auto_overlaps_parameters_on_a_device(monkeypatch):
     monkeypatch.setattr(overlap, "host_cores", lambda: 1)
     meta = torch.zeros(1, device="meta")
-    assert overlap.decide(_state("auto", 8), [torch.zeros(1), meta]) == (True, True)
+    assert overlap.decide(_state("auto", 8), [torch.zeros(1), meta]) is True
 
 
 @pytest.mark.parametrize(
-    "local_size, size, link_slow, expected",
+    "local_size, size, expected",
     [
-        (2, 2, None, (False, True)),  # one full host: reductions are the CPU's memory copies
-        (2, 4, None, (True, False)),  # two full hosts, link not measured yet: overlap, ask again
-        (2, 4, True, (True, True)),  # a slow link sets the pace: overlap
-        (2, 4, False, (False, True)),  # a fast link: the cores set the pace, as on one host
-        (1, 2, False, (True, True)),  # a core to spare
+        (2, 2, False),  # one full host: reductions are the CPU's memory copies
+        (2, 4, False),  # two full hosts: the network's work costs CPU too
+        (1, 2, True),  # a core to spare
     ],
 )
-def test_auto_across_hosts_follows_the_measured_link(
-    monkeypatch, local_size, size, link_slow, expected
-):
+def test_auto_across_hosts_overlaps_only_with_a_spare_core(monkeypatch, local_size, size, expected):
     monkeypatch.setattr(overlap, "host_cores", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    state = _state("auto", local_size, size, link_slow)
-    assert overlap.decide(state, [torch.zeros(1)]) == expected
+    assert overlap.decide(_state("auto", local_size, size), [torch.zeros(1)]) is expected

@@ -100,14 +100,6 @@ class Dispatch:
                 return store
         return None
 
-    def link_slow(self, kind: str) -> Optional[bool]:
-        """The link_slow verdict of the path for `kind` tensors ('cpu', 'cuda'); None where
-        the path measures none (HostBackend.link_slow)."""
-        backend = self.routes.get(kind)
-        while backend is not None and not hasattr(backend, "link_slow"):
-            backend = getattr(backend, "inner", None)
-        return None if backend is None else backend.link_slow
-
     def allreduce_one(self, entry) -> Optional[list]:
         """The result of an allreduce of one host tensor, alone in its batch, by the path's
         allreduce_one(); None where the path has none (CUDA wrappers): execute() then.

@@ -1,6 +1,7 @@
 """Hierarchical allreduce: reduce-scatter inside a node, allreduce across nodes, allgather inside.
 
-With the knob `hierarchical_allreduce`: reduce-scatter on `comms.local`, allreduce
+With the knob `hierarchical_allreduce` (and, unless it is set, for 16-bit floats: host.py says
+why): reduce-scatter on `comms.local`, allreduce
 of this rank's block on `comms.cross`, allgather on `comms.local`, over the largest prefix whose
 length divides by the local size; the last n % local_size elements (fewer than one per local
 rank) take one flat allreduce. Equal blocks allow the block collectives, which MPICH runs far
@@ -20,19 +21,26 @@ def usable(comms, config) -> bool:
     """Whether the knob asks for it and the layout allows it (otherwise logged at debug)."""
     if not config.hierarchical_allreduce:
         return False
+    why = _unfit(comms)
+    if why:
+        logger.debug("hierarchical allreduce off: %s; using the flat allreduce", why)
+    return not why
+
+
+def fits(comms) -> bool:
+    """Whether the layout allows it: several nodes of several ranks each, as many on every
+    node."""
+    return not _unfit(comms)
+
+
+def _unfit(comms) -> str:
+    """Why the layout does not allow it ('' where it does)."""
     local, nodes = comms.local.Get_size(), comms.cross.Get_size()
     if not comms.homogeneous:
-        logger.debug(
-            "hierarchical allreduce off: ranks per node differ (%s); using the flat allreduce",
-            comms.local_sizes,
-        )
-        return False
+        return f"ranks per node differ ({comms.local_sizes})"
     if local == 1 or nodes == 1:
-        logger.debug(
-            "hierarchical allreduce off: %d node(s) of %d rank(s) need no hierarchy", nodes, local
-        )
-        return False
-    return True
+        return f"{nodes} node(s) of {local} rank(s) need no hierarchy"
+    return ""
 
 
 def allreduce(comms, send, recv, op, busy=None, network: bool = False) -> None:

@@ -58,6 +58,15 @@ class HostBackend:
         self._fusion = parts.FusionBuffers()
         self._planner = fusion.PartPlanner()
         self.hierarchical = hierarchy.usable(comms, config)
+        # 16-bit floats reach MPI with a user-defined op (half.py), which MPICH's non-blocking
+        # allreduce runs by recursive doubling, whole buffers each round: across nodes of
+        # several ranks, each node's link then carries twice the bytes of a built-in op's
+        # allreduce (no saving from the half width), and the hierarchy halves them (1 Gbit/s,
+        # 2 nodes x 2 ranks: 0.48-0.52 of float32's time against 1.15-1.34; BENCHMARKS.md,
+        # "16-bit floats across nodes"). So unless the knob is set, they take the hierarchy.
+        self.hierarchical_half = self.hierarchical or (
+            "hierarchical_allreduce" not in config.explicit and hierarchy.fits(comms)
+        )
         self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
         # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
         # link each chunk's collective leaves the link idle at its start and end. So across
@@ -73,12 +82,6 @@ class HostBackend:
 
     def close(self) -> None:
         """Nothing to release: the communicators belong to Comms."""
-
-    @property
-    def link_slow(self) -> Optional[bool]:
-        """Across hosts, whether the ranks measured a slow link (engine/link.py); None on one
-        host, with the chunk knob set, or before the first chunked reductions."""
-        return self._pace.slow
 
     def _wire(self, nbytes: int) -> None:
         """Count `nbytes` of this rank's input handed to a collective, in the width it travels."""
@@ -117,8 +120,9 @@ class HostBackend:
         """
         if self.stats is not None:  # _wire(), inline
             self.stats.wire_bytes += recv.nbytes
+        hierarchical = self.hierarchical or (self.hierarchical_half and out.dtype in dtypes.HALF)
         call, comm = (
-            (hierarchy.allreduce, self.comms) if self.hierarchical else (mpi.allreduce, self.comm)
+            (hierarchy.allreduce, self.comms) if hierarchical else (mpi.allreduce, self.comm)
         )
         n = recv.size
         if step <= 0 or n <= step:
