@@ -4,7 +4,7 @@ import os
 import pickle
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -320,7 +320,13 @@ def bcast_object(comm, obj, root: int):
 
 
 def allreduce(
-    comm, send: Optional[Buffer], recv: Buffer, op, busy=None, network: bool = False
+    comm,
+    send: Optional[Buffer],
+    recv: Buffer,
+    op,
+    busy=None,
+    network: bool = False,
+    piece: int = 0,
 ) -> None:
     """Allreduce into `recv`; `send=None` means in place.
 
@@ -333,16 +339,43 @@ def allreduce(
     tests, at most _NETWORK_SLEEP_MAX_S; on one host, where MPI copies through shared memory
     only inside its tests, it yields. Always non-blocking: MPI does not match a blocking
     collective with a non-blocking one, and ranks may decide differently; here Iallreduce +
-    Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md).
+    Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md). With `piece` > 0 a buffer
+    longer than `piece` elements goes as one Iallreduce per `piece` elements, all started at
+    once and waited together (every rank must pass the same `piece`: the collectives match in
+    order). Synchronization: one or more collectives on `comm`.
     """
+    if piece > 0 and len(cast(np.ndarray, recv)) > piece:
+        src, dst = cast(Optional[np.ndarray], send), cast(np.ndarray, recv)
+        requests = [
+            comm.Iallreduce(
+                MPI.IN_PLACE if src is None else src[lo : lo + piece], dst[lo : lo + piece], op=op
+            )
+            for lo in range(0, len(dst), piece)
+        ]
+        if busy is None or busy():
+            MPI.Request.Waitall(requests)
+        else:
+            _paced(
+                lambda: MPI.Request.Testall(requests),
+                lambda: MPI.Request.Waitall(requests),
+                busy,
+                network,
+            )
+        return
     request = comm.Iallreduce(MPI.IN_PLACE if send is None else send, recv, op=op)
     if busy is None or busy():
         request.Wait()
         return
+    _paced(request.Test, request.Wait, busy, network)
+
+
+def _paced(done, finish, busy, network: bool) -> None:
+    """Test with `done()` until it is true, giving the core away between tests (allreduce says
+    how); `finish()` (the blocking wait) as soon as `busy()` turns true."""
     delay = 20e-6
-    while not request.Test():
+    while not done():
         if busy():
-            request.Wait()
+            finish()
             return
         if network:
             time.sleep(delay)

@@ -332,6 +332,69 @@ def test_data_allreduce_completes_whether_or_not_a_user_waits():
     assert_all(not bad, f"wrong sums: {bad}")
 
 
+class _Counting:
+    """A communicator whose Iallreduce calls are counted (mpi4py's own cannot be patched)."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, 0
+
+    def Iallreduce(self, *args, **kw):  # noqa: N802 (mpi4py's name)
+        self.calls += 1
+        return self.comm.Iallreduce(*args, **kw)
+
+
+@pytest.mark.mpi
+def test_data_allreduce_in_pieces_matches_one_collective():
+    """mpi.allreduce with `piece` starts one collective per piece, all at once, and gives what
+    one collective gives, for MPI's own op and for the 16-bit user-defined op, in place and
+    not, whether a user waits (Waitall) or not (tests between sleeps)."""
+
+    from mpidp.engine import half
+    from mpidp.engine import mpi as mpi_mod
+
+    comm = _Counting(MPI.COMM_WORLD.Dup())
+    sum16 = half.mpi_reduce_op(torch.float16, ReduceOp.SUM)
+    bad = []
+    for busy in (None, lambda: False):
+        for n, piece in ((1, 7), (7, 7), (8, 7), (1000, 7), (3001, 1000), (3001, 0)):
+            for dtype, op in ((torch.float32, MPI.SUM), (torch.float16, sum16)):
+                t = values((n,), dtype, RANK)
+                want = sum(values((n,), dtype, r) for r in range(SIZE))
+                buf = t.view(torch.int16).numpy() if dtype == torch.float16 else t.numpy()
+                for in_place in (True, False):
+                    got = t.clone()
+                    dst = got.view(torch.int16).numpy() if dtype == torch.float16 else got.numpy()
+                    comm.calls = 0
+                    mpi_mod.allreduce(comm, None if in_place else buf, dst, op, busy, True, piece)
+                    calls = -(-n // piece) if piece else 1
+                    if not torch.equal(got, want) or comm.calls != calls:
+                        bad.append((n, piece, str(dtype), in_place, comm.calls, calls))
+    comm.comm.Free()
+    assert_all(not bad, f"wrong results or collective counts: {bad}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS, ids=lambda o: o.name)
+def test_16_bit_floats_across_hosts_go_in_pieces_with_the_host_result(paths, dtype, op):
+    """Where the ranks span hosts, 16-bit floats go to the flat allreduce in pieces (host.py
+    says why): the results equal the one-collective host path's, chunks and pieces together."""
+    comms = Comms(MPI.COMM_WORLD)
+    try:
+        pieced = HostBackend(comms, _config())
+        pieced.network, pieced.half_piece_bytes = True, 16  # 8 elements a piece
+        pieced.comm = counting = _Counting(pieced.comm)
+        for shape in [(), (5,), (9,), (3, 40), (300,)]:  # (300,): 600 bytes, past a 256 B chunk
+            t = values(shape, dtype, RANK)
+            batch, entries = single(f"pc{shape}", ALLREDUCE, t, reduce_op=op)
+            counting.calls = 0
+            _check(paths["host"], pieced, batch, entries, f"{dtype} {op.name} {shape} pieces")
+        # 300 elements in chunks of 128, 128 and 44 elements: 16 + 16 + 6 pieces of 8.
+        assert_all(counting.calls == 38, f"{counting.calls} collectives for 300 elements, not 38")
+    finally:
+        comms.free()
+
+
 @pytest.mark.mpi
 def test_allgather_of_a_transposed_column_matches_host(paths, other):
     """An (n, 1) tensor made by transposing a row is contiguous but keeps stride n on its last

@@ -11,7 +11,7 @@ Hierarchical allreduce: hierarchy.py. Adasum, whatever the data path: adasum.py.
 
 import math
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 import torch
@@ -20,6 +20,14 @@ from .. import adasum, dtypes, fusion, half, link, mpi, scaling
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 from . import hierarchy, parts
+
+# Across hosts, 16-bit floats go to MPI's flat allreduce in pieces of this many bytes, all in
+# flight at once. Their user-defined op makes MPICH send whole buffers, and over TCP UCX sends a
+# message above 2 MB by rendezvous, whose two directions sometimes ran one after the other: at
+# 1 Gbit/s, 2 hosts x 1 rank, 17 of 150 of the wide model's fp16 steps took 1.8x (446-471
+# against 245-265 ms); in pieces of 1 MiB none of 150 did, the median the same, and at 10 Gbit/s
+# the steps took as long (BENCHMARKS.md, "16-bit floats across hosts in pieces").
+_HALF_PIECE_BYTES = 1 << 20
 
 
 def _np(t: torch.Tensor):
@@ -68,6 +76,7 @@ class HostBackend:
             "hierarchical_allreduce" not in config.explicit and hierarchy.fits(comms)
         )
         self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
+        self.half_piece_bytes = _HALF_PIECE_BYTES  # across hosts, flat (tests set it lower)
         # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
         # link each chunk's collective leaves the link idle at its start and end. So across
         # hosts, unless the knob is set, the first chunked reductions measure the link.
@@ -121,12 +130,17 @@ class HostBackend:
         if self.stats is not None:  # _wire(), inline
             self.stats.wire_bytes += recv.nbytes
         hierarchical = self.hierarchical or (self.hierarchical_half and out.dtype in dtypes.HALF)
-        call, comm = (
-            (hierarchy.allreduce, self.comms) if hierarchical else (mpi.allreduce, self.comm)
-        )
+        extra: tuple = ()  # mpi.allreduce's pieces
+        call: Callable[..., None]
+        if hierarchical:
+            call, comm = hierarchy.allreduce, self.comms
+        else:
+            call, comm = mpi.allreduce, self.comm
+            if self.network and out.dtype in dtypes.HALF:
+                extra = (self.half_piece_bytes // recv.itemsize,)
         n = recv.size
         if step <= 0 or n <= step:
-            call(comm, send, recv, op, self.busy, self.network)
+            call(comm, send, recv, op, self.busy, self.network, *extra)
             if post != 1.0:
                 scaling.scale_(out, post)
             return
@@ -142,6 +156,7 @@ class HostBackend:
                 op,
                 self.busy,
                 self.network,
+                *extra,
             )
             if post != 1.0:
                 scaling.scale_(out[lo:hi], post)
