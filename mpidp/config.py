@@ -157,6 +157,15 @@ class Config:
         "buckets of at most this many bytes; a bucket is one op (one negotiation, one handle) "
         "submitted when its last gradient is ready. 0: one op per parameter.",
     )
+    first_bucket_bytes: int = _knob(
+        "MPIDP_FIRST_BUCKET_BYTES",
+        _nonneg_int,
+        1 * MiB,
+        "DistributedOptimizer's first bucket (the last layers' gradients, the first that the "
+        "backward pass produces) closes once it holds this many bytes, so that the first "
+        "reduction starts early in the backward pass. 0: the same cap as the other buckets "
+        "(MPIDP_BUCKET_BYTES).",
+    )
     overlap: str = _knob(
         "MPIDP_OVERLAP",
         _choice("auto", "0", "1"),

@@ -146,11 +146,15 @@ class Bucket:
             self.dtype, self.shapes = wires[0].dtype, [w.shape for w in wires]
 
 
-def make_buckets(trained, names, groups, cap: int, apart=None) -> List["Bucket"]:
+def make_buckets(
+    trained, names, groups, cap: int, apart=None, first_cap: int = 0
+) -> List["Bucket"]:
     """Buckets of `trained` parameters: the user's groups as they are; the rest in reverse
     order (gradients become ready roughly from the last layer back, as in DDP), one bucket per
     dtype and device (and value of `apart`, a parameter -> key map, if given) filled up to
-    `cap` bytes (0: one parameter per bucket)."""
+    `cap` bytes (0: one parameter per bucket). With `first_cap`, the first bucket of each
+    kind closes as soon as it holds `first_cap` bytes (the parameter that reached the mark
+    stays in it)."""
     out, loose = [], []
     by_group: Dict[int, List[torch.nn.Parameter]] = {}
     for p in trained:
@@ -162,13 +166,20 @@ def make_buckets(trained, names, groups, cap: int, apart=None) -> List["Bucket"]
     for grouped in by_group.values():
         out.append(grouped)
     open_: Dict[tuple, List] = {}
+    firsts: Dict[tuple, List] = {}  # each kind's first bucket
     size: Dict[tuple, int] = {}
     for p in reversed(loose):
         key = (p.dtype, p.device, None if apart is None else apart[p])
         nbytes = p.numel() * p.element_size()
         members = open_.get(key)
-        if members is None or not cap or size[key] + nbytes > cap:
+        if (
+            members is None
+            or not cap
+            or size[key] + nbytes > cap
+            or (first_cap and members is firsts[key] and size[key] >= first_cap)
+        ):
             members = open_[key] = []
+            firsts.setdefault(key, members)
             size[key] = 0
             out.append(members)
         members.append(p)

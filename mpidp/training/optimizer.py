@@ -154,8 +154,13 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         trained = self._trained = [p for p in live if p.requires_grad]
         self._frozen = [p for p in live if not p.requires_grad]
         groups = group_ids(self._names, *self._grouping)
+        config = world.state().config
         self._buckets = make_buckets(
-            trained, self._names, groups, world.state().config.bucket_bytes
+            trained,
+            self._names,
+            groups,
+            config.bucket_bytes,
+            first_cap=config.first_bucket_bytes,
         )
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [

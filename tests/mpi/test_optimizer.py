@@ -655,8 +655,8 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
     or more), and equal the reference."""
     results, params = [], []
     try:
-        for cap in (0, 64, 200, 25 * 1024 * 1024):
-            run_all(_reinit, bucket_bytes=cap)
+        for cap, first in ((0, 0), (64, 0), (200, 0), (200, 100), (25 * 1024 * 1024, 1 << 20)):
+            run_all(_reinit, bucket_bytes=cap, first_bucket_bytes=first)
             model = _model()
             opt = _train(model)
             results.append(_checksum(model))
@@ -665,7 +665,7 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
             trained = sum(1 for p in model.parameters() if p.requires_grad)
             assert_all(
                 sum(sizes) == trained and (cap != 0 or max(sizes) == 1),
-                f"bucket_bytes={cap}: bucket sizes {sizes}",
+                f"bucket_bytes={cap}, first_bucket_bytes={first}: bucket sizes {sizes}",
             )
     finally:
         run_all(_reinit)
