@@ -348,7 +348,6 @@ def test_data_allreduce_in_pieces_matches_one_collective():
     """mpi.allreduce with `piece` starts one collective per piece, all at once, and gives what
     one collective gives, for MPI's own op and for the 16-bit user-defined op, in place and
     not, whether a user waits (Waitall) or not (tests between sleeps)."""
-
     from mpidp.engine import half
     from mpidp.engine import mpi as mpi_mod
 
