@@ -6,7 +6,7 @@
 
 Run on the test cluster of tests/integration/multihost_cluster.py (docs/clusters.md), at
 2 hosts x 1 rank or 2 hosts x 2 ranks. One torch thread per rank. Contenders, each on its own
-copy of the model (same initial weights), in an order that rotates from round to round:
+copy of the model (same initial weights), in an order shuffled anew each round:
 - no communication (t_compute);
 - mpidp default (MPIDP_OVERLAP as set, `auto` unless the environment says otherwise), overlap
   forced on and forced off (what MPIDP_OVERLAP=1 / 0 decide, set on the optimizer as
@@ -45,6 +45,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -58,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLOW = 1.3  # a step this many times its contender's median counts as slow in the report
 
 
 def wide():
@@ -203,11 +205,19 @@ def bench_model(name, comm, rounds, steps, hierarchical):
     g = torch.Generator().manual_seed(comm.rank)
     x, y = make_input(batch), torch.randint(0, classes, (batch,), generator=g)
     for c in runners:  # warm-up: allocator, caches, mpidp's response cache, DDP's buckets
-        for _ in range(2):
+        # ... and `auto` overlap's trial of both modes (mpidp/training/overlap.py), which the
+        # same number of steps settles on every rank.
+        settled = getattr(c.optimizer, "overlap_settled", lambda: True)
+        done = 0
+        while done < 2 or not settled():
             comm.Barrier()
             c.step(x, y)
+            done += 1
     for r in range(rounds):
-        order = runners[r % len(runners) :] + runners[: r % len(runners)]
+        # A new order each round, the same on every rank: a contender's time depends on the one
+        # before it (the one after "no communication" ran ~5 % slower, whichever it was), and a
+        # rotation keeps every contender behind the same neighbour.
+        order = random.Random(r).sample(runners, len(runners))
         for c in order:
             for _ in range(steps):
                 comm.Barrier()
@@ -215,9 +225,18 @@ def bench_model(name, comm, rounds, steps, hierarchical):
     med = {c.name: statistics.median(c.times) for c in runners}
     # The slowest rank sets the pace: each contender's largest median over the ranks.
     med = {k: max(v) for k, v in zip(med, zip(*comm.allgather(list(med.values()))))}
+    # Every step of every rank, in the order taken: slow steps show here, not in a median.
+    samples = comm.gather({c.name: c.times for c in runners})
     params = list(build().parameters())
     return {
         "step_s": med,
+        # The mode each mpidp contender ran in after its warm-up (True: overlapped), per rank.
+        "overlap": {
+            c.name: comm.allgather(c.optimizer._overlap)
+            for c in runners
+            if hasattr(c.optimizer, "overlap_settled")
+        },
+        "samples_s": {c.name: [r[c.name] for r in samples] for c in runners} if samples else {},
         "grad_bytes": sum(p.numel() * 4 for p in params),
         "bucket_bytes": buckets,
         "last_bucket_bytes": last,
@@ -240,6 +259,16 @@ def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
     return t_comm, max(t_c, t_comm - t_last) + t_last, t_c + t_comm
 
 
+def slow_steps(row, name):
+    """'k of N slow': steps (slowest rank) above SLOW x the contender's median, from the samples."""
+    per_rank = row.get("samples_s", {}).get(name)
+    if not per_rank:
+        return ""
+    steps = [max(t) for t in zip(*per_rank)]
+    bar = SLOW * statistics.median(steps)
+    return f"{sum(t > bar for t in steps)} of {len(steps)} slow"
+
+
 def report(result, file=sys.stdout):
     n, rate, delay = result["hosts"], result["link_bit_s"], result["delay_s"]
     p = lambda *a: print(*a, file=file)  # noqa: E731
@@ -257,8 +286,10 @@ def report(result, file=sys.stdout):
             f"{row['last_tensor_bytes'] / 1e6:.2f} MB"
         )
         for k, v in med.items():
-            p(f"  {k:32s} {v * 1e3:9.1f}")
+            p(f"  {k:32s} {v * 1e3:9.1f}   {slow_steps(row, k)}")
         ours = med["mpidp"]
+        if "overlap" in row:
+            p(f"  mpidp (auto) overlapped          {row['overlap']['mpidp']}")
         if rate:
             t_comm, t_limit, t_serial = limits(row, n, rate, delay)
             h_comm, h_limit, h_serial = limits(row, n, rate, delay, half=True)
@@ -371,8 +402,12 @@ def summarize(paths, plot):
             for k in names:
                 print(
                     f"    {k:32s} {med[k] * 1e3:8.1f}   "
-                    f"({per_launch(row['step_s'][k] * 1e3 for row in rows)})"
+                    f"({per_launch(row['step_s'][k] * 1e3 for row in rows)})   "
+                    f"{'; '.join(filter(None, (slow_steps(row, k) for row in rows)))}"
                 )
+            chosen = [str(all(row["overlap"]["mpidp"])) for row in rows if "overlap" in row]
+            if chosen:
+                print(f"    {'mpidp (auto) overlapped':32s} {' / '.join(chosen)}")
             if rate:
                 row0 = dict(rows[0], step_s=med)
                 t_comm, t_limit, t_serial = limits(row0, n, rate, delay)

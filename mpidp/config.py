@@ -174,8 +174,19 @@ class Config:
         "gradients are ready; 0: all buckets when the step synchronizes. auto: 1, unless the "
         "parameters are on the CPU and a rank's share of its host's cores is no more than "
         "torch's threads: there the backward pass keeps the cores busy, and overlapping "
-        "slowed training steps by 5-80 % on one host and by up to 22 % across hosts, over "
-        "1 Gbit/s links as over 10 Gbit/s ones (BENCHMARKS.md).",
+        "slowed training steps by 5-80 % on one host (BENCHMARKS.md). Across hosts, on the "
+        "CPU, auto is settled by timing both modes (MPIDP_OVERLAP_TRIAL_STEPS).",
+        must_agree=False,
+    )
+    overlap_trial_steps: int = _knob(
+        "MPIDP_OVERLAP_TRIAL_STEPS",
+        _nonneg_int,
+        5,
+        "With MPIDP_OVERLAP=auto, parameters on the CPU and ranks on several hosts, "
+        "DistributedOptimizer times this many training steps overlapped and as many not (after "
+        "2 settling steps each) and keeps the faster mode; the choice is logged. Whether "
+        "overlapping pays there depends on the link against the cores: it did at 1 Gbit/s and "
+        "not at 10 on the test cluster (BENCHMARKS.md). 0: no trial, the core rule alone.",
         must_agree=False,
     )
     reduce_in_backward: bool = _knob(

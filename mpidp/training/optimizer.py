@@ -107,6 +107,11 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._guards = pass_guard.Guards([], self._before_accumulation)
         self._layout()
         self._overlap = overlap.decide(world.state(), self._trained)
+        # Timed through this class's step(); the variants that step otherwise keep decide()'s.
+        own_step = type(self).step is DistributedOptimizer.step
+        self._trial = overlap.trial(world.state(), self._trained) if own_step else None
+        if self._trial is not None:
+            self._set_overlap(self._trial.mode)
 
     def __repr__(self):
         return f"DistributedOptimizer({self._opt!r})"
@@ -176,8 +181,18 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
 
     @_overlap.setter
     def _overlap(self, flag: bool) -> None:
+        # Set from outside (a benchmark's or a test's forced mode), it ends `auto`'s trial.
+        self._trial = None
+        self._set_overlap(flag)
+
+    def _set_overlap(self, flag: bool) -> None:
         self._overlapping = bool(flag)
         self._guards.set(self._overlapping)
+
+    def overlap_settled(self) -> bool:
+        """Whether the overlap mode is fixed: set by the knob or the core rule, or `auto`'s
+        timing of both modes across hosts is over (overlap.Trial)."""
+        return self._trial is None or self._trial.choice is not None
 
     @property
     def _parameter_names(self) -> Dict[torch.nn.Parameter, str]:
@@ -413,7 +428,10 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             if closure is not None:
                 closure = self._reduced_closure(closure)
         self._step.stepped()
-        return self._opt.step(closure)
+        result = self._opt.step(closure)
+        if self._trial is not None and self._trial.choice is None:
+            self._set_overlap(self._trial.step_ended())
+        return result
 
     def _reduced_closure(self, closure):
         """`closure` whose gradients (synchronize()) and returned loss are averaged over the

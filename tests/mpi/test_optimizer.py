@@ -57,10 +57,11 @@ def _close(model, ref, tol=1e-10):
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def _train_both(model, opt, ref, ref_opt, steps, micro):
+def _train_both(model, opt, ref, ref_opt, steps, micro, after_step=None):
     """Train the distributed model on its shards and the reference on the whole batches, each
-    step's micro-batches accumulated by backward passes before one step()."""
-    for step in _data(steps=steps, micro=micro):
+    step's micro-batches accumulated by backward passes before one step() (then
+    `after_step(index)`, if given)."""
+    for i, step in enumerate(_data(steps=steps, micro=micro)):
         opt.zero_grad()
         ref_opt.zero_grad()
         for x, y in step:
@@ -68,6 +69,8 @@ def _train_both(model, opt, ref, ref_opt, steps, micro):
             F.cross_entropy(ref(x), y).backward()
         run_all(opt.step)
         ref_opt.step()
+        if after_step is not None:
+            after_step(i)
 
 
 OPTIMIZERS = {
@@ -1165,3 +1168,49 @@ def test_a_post_accumulate_hook_registered_after_wrapping_runs_before_the_reduct
     with opt.skip_synchronize():
         opt.step()
     assert_all(worst < 1e-5, f"gradients differ from the doubled average by {worst}")
+
+
+@pytest.mark.mpi
+def test_auto_overlap_across_hosts_times_both_modes_and_training_stays_exact():
+    """Across hosts (here one simulated host per rank) on the CPU, `auto` runs its first steps
+    overlapped, then not, and keeps one mode; every step of the trial equals one process on
+    the whole batch, and every rank settles at the same step. Alone on one host: no trial."""
+    run_all(_reinit, simulated_local_size=1, overlap_trial_steps=2)
+    try:
+        model, ref = _model(), _model()
+        opt = mpidp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(),
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        modes, settled = [opt._overlap], [0] if opt.overlap_settled() else []
+
+        def after_step(i):
+            modes.append(opt._overlap)  # the next step's
+            if not settled and opt.overlap_settled():
+                settled.append(i + 1)
+
+        _train_both(model, opt, ref, ref_opt, steps=11, micro=1, after_step=after_step)
+        modes.pop()
+        settled_at = settled[0] if settled else None
+        if mpidp.size() == 1:
+            want_modes, want_settled = modes[:1] * 11, 0
+        else:  # 2 settling steps and 2 timed ones in each mode
+            want_modes, want_settled = [True] * 4 + [False] * 4, 8
+        assert_all(
+            modes[: len(want_modes)] == want_modes and settled_at == want_settled,
+            f"modes {modes}, settled after {settled_at} steps",
+        )
+        assert_all(len(set(modes[8:])) <= 1, f"the mode changed after the trial: {modes}")
+        err = _close(model, ref)
+        assert_all(err < 1e-10, f"deviation from one process {err}")
+        _assert_replicas_bitwise(model, "through the trial")
+        # A mode set from outside (a benchmark's forced one) ends a trial in progress.
+        other = _model()
+        forced = mpidp.DistributedOptimizer(
+            torch.optim.SGD(other.parameters(), lr=0.1), named_parameters=other.named_parameters()
+        )
+        forced._overlap = False
+        assert_all(forced.overlap_settled() and not forced._overlap, "forced mode not kept")
+    finally:
+        run_all(_reinit)

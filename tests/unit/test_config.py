@@ -21,6 +21,7 @@ DEFAULTS = {
     "bucket_bytes": 25 * MiB,
     "first_bucket_bytes": 1 * MiB,
     "overlap": "auto",
+    "overlap_trial_steps": 5,
     "reduce_in_backward": True,
     "keep_freed_memory": True,
     "cache_capacity": 1024,
@@ -83,6 +84,7 @@ def test_load_reads_os_environ_when_no_mapping_given(monkeypatch):
         ("MPIDP_CHUNK_BYTES", "chunk_bytes", "0", 0),
         ("MPIDP_CYCLE_TIME_MS", "cycle_time_ms", "1.5", 1.5),
         ("MPIDP_OVERLAP", "overlap", "0", "0"),
+        ("MPIDP_OVERLAP_TRIAL_STEPS", "overlap_trial_steps", "0", 0),
         ("MPIDP_REDUCE_IN_BACKWARD", "reduce_in_backward", "0", False),
         ("MPIDP_KEEP_FREED_MEMORY", "keep_freed_memory", "0", False),
         ("MPIDP_BUCKET_BYTES", "bucket_bytes", "1048576", 1048576),
@@ -248,6 +250,7 @@ def test_agreed_items_excludes_log_level():
         "autotune_sample_s",
         "elastic_checkpoint",
         "overlap",
+        "overlap_trial_steps",
         "keep_freed_memory",
     }
     assert set(fields) == set(DEFAULTS) - local

@@ -1,5 +1,5 @@
-"""overlap.decide: the knob, and auto's rule (device parameters, cores per rank vs threads,
-on one host and across hosts alike)."""
+"""overlap.decide: the knob, and auto's rule (device parameters, cores per rank vs threads);
+overlap.trial and Trial: across hosts on the CPU, `auto` times both modes and keeps the faster."""
 
 from types import SimpleNamespace
 
@@ -9,11 +9,13 @@ import torch
 from mpidp.training import overlap
 
 
-def _state(setting, local_size, size=None):
+def _state(setting, local_size, size=None, trial_steps=5):
+    size = local_size if size is None else size
     return SimpleNamespace(
-        config=SimpleNamespace(overlap=setting),
+        config=SimpleNamespace(overlap=setting, overlap_trial_steps=trial_steps),
         local_size=local_size,
-        comms=SimpleNamespace(size=local_size if size is None else size),
+        cross_size=size // local_size,
+        comms=SimpleNamespace(size=size),
     )
 
 
@@ -58,3 +60,67 @@ def test_auto_across_hosts_overlaps_only_with_a_spare_core(monkeypatch, local_si
     monkeypatch.setattr(overlap, "host_cores", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert overlap.decide(_state("auto", local_size, size), [torch.zeros(1)]) is expected
+
+
+@pytest.mark.parametrize(
+    "setting, local_size, size, trial_steps, device, expected",
+    [
+        ("auto", 1, 2, 5, "cpu", True),  # 2 hosts x 1 rank
+        ("auto", 2, 4, 5, "cpu", True),  # 2 hosts x 2 ranks
+        ("auto", 2, 2, 5, "cpu", False),  # one host: the core rule stands
+        ("auto", 1, 2, 0, "cpu", False),  # the knob at 0: no trial
+        ("1", 1, 2, 5, "cpu", False),  # a forced mode is not tried
+        ("0", 1, 2, 5, "cpu", False),
+        ("auto", 1, 2, 5, "meta", False),  # a device: overlap, no trial
+    ],
+)
+def test_a_trial_only_across_hosts_on_the_cpu_under_auto(
+    setting, local_size, size, trial_steps, device, expected
+):
+    params = [torch.zeros(1, device=device)]
+    got = overlap.trial(_state(setting, local_size, size, trial_steps), params)
+    assert (got is not None) is expected
+
+
+def _run(trial, period):
+    """Drive `trial` with steps that take period(mode) seconds; the modes of the steps run."""
+    now, modes = 0.0, []
+    while trial.choice is None:
+        mode = trial.mode
+        modes.append(mode)
+        now += period(mode)
+        assert trial.step_ended(now) == trial.mode
+    return modes
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_trial_keeps_the_faster_mode(faster):
+    trial = overlap.Trial(3)
+    modes = _run(trial, lambda mode: 0.10 if mode == faster else 0.12)
+    settle = overlap._SETTLE_STEPS
+    # Overlapped first (what decide() would pick with a spare core), then not, each settled.
+    assert modes == [True] * (settle + 3) + [False] * (settle + 3)
+    assert trial.choice is faster and trial.mode is faster
+    assert trial.step_ended(99.0) is faster  # settled: no more timing
+
+
+def test_the_trial_times_neither_mode_while_it_settles():
+    # The settling steps are slow in the overlapped mode (a first step allocates), the timed
+    # ones fast: the medians must not see the slow ones.
+    trial = overlap.Trial(3)
+    count = {True: 0, False: 0}
+
+    def period(mode):
+        count[mode] += 1
+        if mode and count[mode] <= overlap._SETTLE_STEPS:
+            return 5.0
+        return 0.10 if mode else 0.11
+
+    _run(trial, period)
+    assert trial.choice is True
+
+
+def test_a_tie_keeps_overlap():
+    trial = overlap.Trial(2)
+    _run(trial, lambda mode: 0.5)  # exact in binary: the clock sums it without error
+    assert trial.choice is True
