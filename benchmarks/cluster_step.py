@@ -269,6 +269,11 @@ def slow_steps(row, name):
     return f"{sum(t > bar for t in steps)} of {len(steps)} slow"
 
 
+def _modes(flags):
+    """'on', 'off', or 'mixed' where the ranks chose differently (a tie in their timings)."""
+    return "on" if all(flags) else "off" if not any(flags) else "mixed"
+
+
 def report(result, file=sys.stdout):
     n, rate, delay = result["hosts"], result["link_bit_s"], result["delay_s"]
     p = lambda *a: print(*a, file=file)  # noqa: E731
@@ -289,7 +294,7 @@ def report(result, file=sys.stdout):
             p(f"  {k:32s} {v * 1e3:9.1f}   {slow_steps(row, k)}")
         ours = med["mpidp"]
         if "overlap" in row:
-            p(f"  mpidp (auto) overlapped          {row['overlap']['mpidp']}")
+            p(f"  mpidp (auto) overlapped          {_modes(row['overlap']['mpidp'])}")
         if rate:
             t_comm, t_limit, t_serial = limits(row, n, rate, delay)
             h_comm, h_limit, h_serial = limits(row, n, rate, delay, half=True)
@@ -405,7 +410,7 @@ def summarize(paths, plot):
                     f"({per_launch(row['step_s'][k] * 1e3 for row in rows)})   "
                     f"{'; '.join(filter(None, (slow_steps(row, k) for row in rows)))}"
                 )
-            chosen = [str(all(row["overlap"]["mpidp"])) for row in rows if "overlap" in row]
+            chosen = [_modes(row["overlap"]["mpidp"]) for row in rows if "overlap" in row]
             if chosen:
                 print(f"    {'mpidp (auto) overlapped':32s} {' / '.join(chosen)}")
             if rate:

@@ -181,12 +181,13 @@ class Config:
     overlap_trial_steps: int = _knob(
         "MPIDP_OVERLAP_TRIAL_STEPS",
         _nonneg_int,
-        5,
+        3,
         "With MPIDP_OVERLAP=auto, parameters on the CPU and ranks on several hosts, "
-        "DistributedOptimizer times this many training steps overlapped and as many not (after "
-        "2 settling steps each) and keeps the faster mode; the choice is logged. Whether "
-        "overlapping pays there depends on the link against the cores: it did at 1 Gbit/s and "
-        "not at 10 on the test cluster (BENCHMARKS.md). 0: no trial, the core rule alone.",
+        "DistributedOptimizer times its first training steps in four blocks of this many, "
+        "overlapped, not, not, overlapped (16 steps at 3, settling ones included), and keeps "
+        "the mode whose median step was shorter; the choice is logged. Whether overlapping "
+        "pays there depends on the link against the cores: it did at 1 Gbit/s and not at 10 "
+        "on the test cluster (BENCHMARKS.md). 0: no trial, the core rule alone.",
         must_agree=False,
     )
     reduce_in_backward: bool = _knob(

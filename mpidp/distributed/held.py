@@ -39,8 +39,10 @@ class Held:
     """A group's async allreduces called from inside the backward pass (DDP's buckets), held and
     submitted together when the pass ends, where the training layer's overlap rule
     (training/overlap.py, the `overlap` knob) says that reducing beside the backward pass does
-    not pay: on one host whose cores the backward pass keeps busy, a reduction run beside it
+    not pay: on a host whose cores the backward pass keeps busy, a reduction run beside it
     slows both (BENCHMARKS.md, "DDP over mpidp holds its buckets"). Elsewhere nothing is held.
+    The rule's core count alone decides here, across hosts too (decide(), not the optimizer's
+    timed Trial: DDP's steps are not this layer's to time).
 
     Held calls are submitted, in the order they were called, by the first of: the end of the
     backward pass (an autograd final callback, queued with each held call, so that it runs

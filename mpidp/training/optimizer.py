@@ -191,7 +191,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
 
     def overlap_settled(self) -> bool:
         """Whether the overlap mode is fixed: set by the knob or the core rule, or `auto`'s
-        timing of both modes across hosts is over (overlap.Trial)."""
+        timing of both modes across hosts is over (overlap.Trial; the same step on every rank).
+        Synchronization: none."""
         return self._trial is None or self._trial.choice is not None
 
     @property

@@ -3,15 +3,16 @@
 import os
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ..log import logger
 
-# Steps timed in neither mode before a trial, and after its switch: the first steps allocate,
-# and the one after the switch still carries the other mode's step() tail.
-_SETTLE_STEPS = 2
+# Steps timed in neither mode: the first ones of a trial allocate, and the one after each switch
+# still carries the other mode's step() tail.
+_FIRST_STEPS = 2
+_SWITCH_STEPS = 1
 
 
 def host_cores() -> int:
@@ -54,16 +55,18 @@ def trial(state, params) -> Optional["Trial"]:
 
 
 class Trial:
-    """Times training steps (from one step() to the next) with overlap on, then off, `steps`
-    of each after a few settling ones, and keeps the mode whose median step was shorter.
-    Each rank decides from its own clock: the ranks' steps end together (each waits for the
-    others' gradients), so they agree but for ties, and a rank that overlaps beside one that
-    does not reduces the same sums."""
+    """Times training steps (from one step() to the next) in blocks overlapped, not, not,
+    overlapped (`steps` timed ones a block, after settling ones), so that a pace that drifts
+    during the trial weighs on both modes alike, and keeps the mode whose median step was
+    shorter. Each rank decides from its own clock: the ranks' steps end together (each waits
+    for the others' gradients), so they agree but for ties, and a rank that overlaps beside
+    one that does not reduces the same sums."""
 
     def __init__(self, steps: int):
-        on, off = [True] * (_SETTLE_STEPS + steps), [False] * (_SETTLE_STEPS + steps)
-        self._plan: List[bool] = on + off  # the mode of each step of the trial, in order
-        self._timed = {True: _SETTLE_STEPS, False: _SETTLE_STEPS}  # untimed steps per mode
+        plan: List[Tuple[bool, bool]] = [(True, False)] * _FIRST_STEPS
+        for mode, settle in ((True, 0), (False, _SWITCH_STEPS), (False, 0), (True, _SWITCH_STEPS)):
+            plan += [(mode, False)] * settle + [(mode, True)] * steps
+        self._plan = plan  # (mode, timed) of each step of the trial, in order
         self._times: Dict[bool, List[float]] = {True: [], False: []}
         self._index = 0  # the step now running
         self._last: Optional[float] = None
@@ -74,18 +77,17 @@ class Trial:
         """The mode of the step now running."""
         if self.choice is not None:
             return self.choice
-        return self._plan[self._index]
+        return self._plan[self._index][0]
 
     def step_ended(self, now: Optional[float] = None) -> bool:
-        """Called at the end of each step(); returns the mode for the next step."""
+        """Called at the end of each step(); returns the mode for the next step.
+        Synchronization: none (this rank's clock alone)."""
         now = time.perf_counter() if now is None else now
         if self.choice is not None:
             return self.choice
-        mode = self._plan[self._index]
-        if self._last is not None:
-            first = self._plan.index(mode)
-            if self._index - first >= self._timed[mode]:
-                self._times[mode].append(now - self._last)
+        mode, timed = self._plan[self._index]
+        if timed and self._last is not None:
+            self._times[mode].append(now - self._last)
         self._last = now
         self._index += 1
         if self._index == len(self._plan):

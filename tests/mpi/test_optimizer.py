@@ -1173,8 +1173,9 @@ def test_a_post_accumulate_hook_registered_after_wrapping_runs_before_the_reduct
 @pytest.mark.mpi
 def test_auto_overlap_across_hosts_times_both_modes_and_training_stays_exact():
     """Across hosts (here one simulated host per rank) on the CPU, `auto` runs its first steps
-    overlapped, then not, and keeps one mode; every step of the trial equals one process on
-    the whole batch, and every rank settles at the same step. Alone on one host: no trial."""
+    in blocks overlapped, not, not, overlapped, and keeps one mode; every step of the trial
+    equals one process on the whole batch, and every rank settles at the same step. Alone on
+    one host: no trial."""
     run_all(_reinit, simulated_local_size=1, overlap_trial_steps=2)
     try:
         model, ref = _model(), _model()
@@ -1190,18 +1191,18 @@ def test_auto_overlap_across_hosts_times_both_modes_and_training_stays_exact():
             if not settled and opt.overlap_settled():
                 settled.append(i + 1)
 
-        _train_both(model, opt, ref, ref_opt, steps=11, micro=1, after_step=after_step)
+        _train_both(model, opt, ref, ref_opt, steps=14, micro=1, after_step=after_step)
         modes.pop()
         settled_at = settled[0] if settled else None
         if mpidp.size() == 1:
-            want_modes, want_settled = modes[:1] * 11, 0
-        else:  # 2 settling steps and 2 timed ones in each mode
-            want_modes, want_settled = [True] * 4 + [False] * 4, 8
+            want_modes, want_settled = modes[:1] * 14, 0
+        else:  # blocks of 2 overlapped, not, not, overlapped; 2 first steps, 1 per switch
+            want_modes, want_settled = [True] * 4 + [False] * 5 + [True] * 3, 12
         assert_all(
             modes[: len(want_modes)] == want_modes and settled_at == want_settled,
             f"modes {modes}, settled after {settled_at} steps",
         )
-        assert_all(len(set(modes[8:])) <= 1, f"the mode changed after the trial: {modes}")
+        assert_all(len(set(modes[12:])) <= 1, f"the mode changed after the trial: {modes}")
         err = _close(model, ref)
         assert_all(err < 1e-10, f"deviation from one process {err}")
         _assert_replicas_bitwise(model, "through the trial")

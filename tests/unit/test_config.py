@@ -21,7 +21,7 @@ DEFAULTS = {
     "bucket_bytes": 25 * MiB,
     "first_bucket_bytes": 1 * MiB,
     "overlap": "auto",
-    "overlap_trial_steps": 5,
+    "overlap_trial_steps": 3,
     "reduce_in_backward": True,
     "keep_freed_memory": True,
     "cache_capacity": 1024,

@@ -93,31 +93,57 @@ def _run(trial, period):
     return modes
 
 
+def _plan(steps):
+    """The modes of a trial's steps: 2 first ones and 1 after each switch untimed."""
+    first, switch = overlap._FIRST_STEPS, overlap._SWITCH_STEPS
+    on, off = [True] * steps, [False] * steps
+    return [True] * first + on + [False] * switch + off + off + [True] * switch + on
+
+
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_trial_keeps_the_faster_mode(faster):
     trial = overlap.Trial(3)
     modes = _run(trial, lambda mode: 0.10 if mode == faster else 0.12)
-    settle = overlap._SETTLE_STEPS
-    # Overlapped first (what decide() would pick with a spare core), then not, each settled.
-    assert modes == [True] * (settle + 3) + [False] * (settle + 3)
+    # Blocks overlapped, not, not, overlapped: a drifting pace weighs on both alike.
+    assert modes == _plan(3)
     assert trial.choice is faster and trial.mode is faster
     assert trial.step_ended(99.0) is faster  # settled: no more timing
 
 
-def test_the_trial_times_neither_mode_while_it_settles():
-    # The settling steps are slow in the overlapped mode (a first step allocates), the timed
-    # ones fast: the medians must not see the slow ones.
+def test_the_trial_times_neither_the_first_steps_nor_those_after_a_switch():
+    # Those steps are slow in the mode they run in (a first step allocates, the one after a
+    # switch carries the other mode's tail): the medians must not see them.
     trial = overlap.Trial(3)
-    count = {True: 0, False: 0}
+    plan, index = _plan(3), [0]
 
     def period(mode):
-        count[mode] += 1
-        if mode and count[mode] <= overlap._SETTLE_STEPS:
+        i = index[0]
+        index[0] += 1
+        untimed = i < overlap._FIRST_STEPS or plan[i] != plan[i - 1]
+        if mode and untimed:
             return 5.0
         return 0.10 if mode else 0.11
 
     _run(trial, period)
     assert trial.choice is True
+
+
+def test_a_pace_that_drifts_during_the_trial_does_not_pick_a_mode():
+    # Every step slower than the last by the same amount, in both modes: the blocks' order
+    # (overlapped, not, not, overlapped) leaves the drift out of the comparison, and the mode
+    # whose steps are 0.125 s shorter wins; a trial of all overlapped steps first would have
+    # picked overlapping by the drift alone.
+    trial = overlap.Trial(4)
+    clock = [0]
+
+    def period(mode):
+        clock[0] += 1
+        return 1.0 + clock[0] * 0.25 + (0.0 if mode else -0.125)
+
+    _run(trial, period)
+    on, off = (sorted(trial._times[m]) for m in (True, False))
+    assert len(on) == len(off) == 8
+    assert trial.choice is False
 
 
 def test_a_tie_keeps_overlap():
