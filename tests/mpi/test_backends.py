@@ -10,6 +10,7 @@ from backend_util import (
     BROADCAST,
     REDUCE_OPS,
     REDUCESCATTER,
+    Counting,
     bucket,
     fused,
     run_both,
@@ -332,17 +333,6 @@ def test_data_allreduce_completes_whether_or_not_a_user_waits():
     assert_all(not bad, f"wrong sums: {bad}")
 
 
-class _Counting:
-    """A communicator whose Iallreduce calls are counted (mpi4py's own cannot be patched)."""
-
-    def __init__(self, comm):
-        self.comm, self.calls = comm, 0
-
-    def Iallreduce(self, *args, **kw):  # noqa: N802 (mpi4py's name)
-        self.calls += 1
-        return self.comm.Iallreduce(*args, **kw)
-
-
 @pytest.mark.mpi
 def test_data_allreduce_in_pieces_matches_one_collective():
     """mpi.allreduce with `piece` starts one collective per piece, all at once, and gives what
@@ -351,7 +341,7 @@ def test_data_allreduce_in_pieces_matches_one_collective():
     from mpidp.engine import half
     from mpidp.engine import mpi as mpi_mod
 
-    comm = _Counting(MPI.COMM_WORLD.Dup())
+    comm = Counting(MPI.COMM_WORLD.Dup())
     sum16 = half.mpi_reduce_op(torch.float16, ReduceOp.SUM)
     bad = []
     for busy in (None, lambda: False):
@@ -382,7 +372,7 @@ def test_16_bit_floats_across_hosts_go_in_pieces_with_the_host_result(paths, dty
     try:
         pieced = HostBackend(comms, _config())
         pieced.network, pieced.half_piece_bytes = True, 16  # 8 elements a piece
-        pieced.comm = counting = _Counting(pieced.comm)
+        pieced.comm = counting = Counting(pieced.comm)
         for shape in [(), (5,), (9,), (3, 40), (300,)]:  # (300,): 600 bytes, past a 256 B chunk
             t = values(shape, dtype, RANK)
             batch, entries = single(f"pc{shape}", ALLREDUCE, t, reduce_op=op)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from backend_util import ALLREDUCE, REDUCE_OPS, fused, run_both, same, single, values
+from backend_util import ALLREDUCE, REDUCE_OPS, Counting, fused, run_both, same, single, values
 from mpi4py import MPI
 from mpi_util import assert_all, dtype_id, int_average, run_all
 
@@ -101,6 +101,42 @@ def test_16_bit_floats_take_the_hierarchy_unless_the_knob_is_set(pair):
             batch, entries = single(f"auto{n}", ALLREDUCE, t, reduce_op=ReduceOp.AVERAGE)
             got, want = run_all(run_both, auto, like, batch, entries)
             assert_all(same(got, want), f"{dtype} n={n}: auto {got} vs {want}")
+
+
+class _CrossCounted:
+    """`comms` with its cross-node communicator's Iallreduce calls counted."""
+
+    def __init__(self, comms):
+        self._comms, self.cross = comms, Counting(comms.cross)
+
+    def __getattr__(self, name):
+        return getattr(self._comms, name)
+
+
+@needs_nodes
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_16_bit_floats_cross_nodes_in_pieces_on_the_hierarchy(pair, dtype):
+    """Across hosts the hierarchy's cross-node step sends 16-bit floats in pieces, as the flat
+    path does (host.py says why): one collective per piece, the same bits as whole."""
+    hier, _, _, comms = pair
+    plain = dict(backend="mpi", simulated_local_size=NODE, chunk_bytes=0)
+    pieced = HostBackend(comms, mpidp_config.load(env={}, **plain))
+    pieced.network, pieced.half_piece_bytes = True, 16  # 8 elements a piece
+    pieced.comms = counted = _CrossCounted(comms)
+    for n in LENGTHS:
+        t = values((n,), dtype, RANK)
+        batch, entries = single(f"hp{n}", ALLREDUCE, t, reduce_op=ReduceOp.SUM)
+        counted.cross.calls = 0
+        got, want = run_all(run_both, pieced, hier, batch, entries)
+        assert_all(same(got, want), f"{dtype} n={n}: in pieces {got} vs whole {want}")
+        # Each rank's share of the node's elements crosses in pieces of 8 elements.
+        share = (n - n % NODE) // NODE
+        pieces = -(-share // 8)
+        assert_all(
+            counted.cross.calls == pieces,
+            f"n={n}: {counted.cross.calls} cross-node collectives, not {pieces}",
+        )
 
 
 @pytest.mark.mpi(min_size=3)
@@ -207,16 +243,18 @@ def test_through_mpidp_ops():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("cores", [1, 64], ids=["no_spare_core", "spare_cores"])
-def test_auto_overlap_across_hosts_needs_a_spare_core(monkeypatch, cores):
-    """Across hosts, as on one host, `auto` overlaps only where a rank has a core to spare
-    beside torch's threads, whatever the link: the engine's measure of the link (its first
+def test_auto_overlap_across_hosts_without_a_trial_needs_a_spare_core(monkeypatch, cores):
+    """Across hosts with the timed trial off (MPIDP_OVERLAP_TRIAL_STEPS=0; the trial itself:
+    test_optimizer.py), `auto` overlaps only where a rank has a core to spare beside torch's
+    threads, as on one host, whatever the link: the engine's measure of the link (its first
     chunked reductions) changes how large tensors are cut, not the overlap."""
     from mpidp.engine import link
     from mpidp.training import overlap
 
     monkeypatch.setattr(overlap, "host_cores", lambda: cores)
     mpidp.shutdown()
-    mpidp.init(simulated_local_size=1, backend="mpi")  # every rank a host of its own
+    # Every rank a host of its own.
+    mpidp.init(simulated_local_size=1, backend="mpi", overlap_trial_steps=0)
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(1100, 1000)  # a 4.4 MB gradient: more than one 4 MiB chunk

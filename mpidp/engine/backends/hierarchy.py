@@ -43,12 +43,13 @@ def _unfit(comms) -> str:
     return ""
 
 
-def allreduce(comms, send, recv, op, busy=None, network: bool = False) -> None:
+def allreduce(comms, send, recv, op, busy=None, network: bool = False, piece: int = 0) -> None:
     """Allreduce flat buffers (`send=None`: in place) over the node hierarchy.
 
     Synchronization: collectives on comms.local, comms.cross and comms.local again (and on
     comms.world for the tail). The cross-node allreduce, the part that waits on the network,
-    is paced by `busy` and `network` as mpi.allreduce says; the node's own parts are blocking.
+    is paced by `busy` and `network` and cut in `piece`s as mpi.allreduce says; the node's own
+    parts are blocking.
     """
     local = comms.local
     lsize = local.Get_size()
@@ -62,7 +63,7 @@ def allreduce(comms, send, recv, op, busy=None, network: bool = False) -> None:
             else np.empty(block, dtype=recv.dtype)
         )
         mpi.reduce_scatter_block(local, (recv if send is None else send)[:main], part, op)
-        mpi.allreduce(comms.cross, None, part, op, busy, network)
+        mpi.allreduce(comms.cross, None, part, op, busy, network, piece)
         mpi.allgather(local, part, recv[:main])
     if main < n:  # fewer than local_size elements left: one small flat allreduce
         mpi.allreduce(comms.world, None if send is None else send[main:], recv[main:], op)

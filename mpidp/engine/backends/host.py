@@ -21,12 +21,14 @@ from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 from . import hierarchy, parts
 
-# Across hosts, 16-bit floats go to MPI's flat allreduce in pieces of this many bytes, all in
-# flight at once. Their user-defined op makes MPICH send whole buffers, and over TCP UCX sends a
-# message above 2 MB by rendezvous, whose two directions sometimes ran one after the other: at
-# 1 Gbit/s, 2 hosts x 1 rank, 17 of 150 of the wide model's fp16 steps took 1.8x (446-471
-# against 245-265 ms); in pieces of 1 MiB none of 150 did, the median the same, and at 10 Gbit/s
-# the steps took as long (BENCHMARKS.md, "16-bit floats across hosts in pieces").
+# Across hosts, 16-bit floats cross in pieces of this many bytes, all in flight at once (the
+# flat allreduce, or the hierarchy's cross-node step). Their user-defined op makes MPICH send
+# whole buffers, and over TCP UCX sends a message above 2 MB by rendezvous, whose two directions
+# sometimes ran one after the other: at 1 Gbit/s, 2 hosts x 1 rank, 17 of 150 of the wide
+# model's fp16 steps took 1.8x (446-471 against 245-265 ms); in pieces of 1 MiB none of 150 did,
+# the median the same, and at 10 Gbit/s the steps took as long (BENCHMARKS.md, "16-bit floats
+# across hosts in pieces"); at 2 hosts x 2 ranks the hierarchy's step in pieces took 371.6
+# against 401.1 ms (4 launches each; "`auto` overlap by measure").
 _HALF_PIECE_BYTES = 1 << 20
 
 
@@ -136,8 +138,8 @@ class HostBackend:
             call, comm = hierarchy.allreduce, self.comms
         else:
             call, comm = mpi.allreduce, self.comm
-            if self.network and out.dtype in dtypes.HALF:
-                extra = (self.half_piece_bytes // recv.itemsize,)
+        if self.network and out.dtype in dtypes.HALF:
+            extra = (self.half_piece_bytes // recv.itemsize,)
         n = recv.size
         if step <= 0 or n <= step:
             call(comm, send, recv, op, self.busy, self.network, *extra)
