@@ -10,11 +10,12 @@ from .. import ops
 from ..ops import Average, op_args
 from ..ops.compression import Compression
 from ..ops.eager import eager
-from ..ops.sparse import SparseGradients, sparse_allreduce_async
+from ..ops.sparse import SparseGradients
 from ..runtime import world
 from ..runtime.process_sets import is_outside, member_of
-from . import overlap, pass_guard, wrapped
+from . import gradients, overlap, pass_guard, wrapped
 from .buckets import Bucket, claim, group_ids, make_buckets, named, release
+from .closure import reduced as reduced_closure
 from .step_state import Phase, StepState
 
 _created = itertools.count()
@@ -285,55 +286,18 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         hooks = p._post_accumulate_grad_hooks  # torch's own ordered table of them
         return bool(hooks) and next(reversed(hooks)) != self._hook_id.get(p)
 
-    def _grad_of(self, p) -> torch.Tensor:
-        if p.grad is None:
-            # Ranks whose loss did not touch p still contribute (zeros), so no rank waits.
-            p.grad = torch.zeros_like(p)
-        elif p.grad.is_sparse:
-            self._is_sparse.densify(p)  # sparse_as_dense, or a parameter agreed dense
-        # A complex gradient is reduced as its real and imaginary parts (a view, as DDP does).
-        return torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
-
     def _submit(self, bucket: Bucket) -> None:
-        """One op for the bucket's dense gradients (Bucket.start) and one per sparse
-        gradient."""
-        bucket.submitted = True
-        sparse = [p for p in bucket.params if self._is_sparse(p)]
-        if sparse:  # by identity: `in` on tensors would compare their values
-            ids = {id(p) for p in sparse}
-            dense = [p for p in bucket.params if id(p) not in ids]
-        else:
-            dense = bucket.params
-        # Horovod reduces sparse gradients by gathering every rank's indices and values; the
-        # op is Average or Sum as asked, with no compression (there is no dense buffer to cast).
-        bucket.sparse = [
-            (
-                p,
-                sparse_allreduce_async(
-                    p.grad,
-                    name=f"{self._names[p]}.sparse",
-                    op=self._op,
-                    process_set=self._process_set,
-                ),
-            )
-            for p in sparse
-        ]
-        bucket.dense = dense
-        if not dense:
-            bucket.wires = bucket.ctxs = ()
-            return
-        # Average's 1/size is applied by the engine (scaling.py) after the predivided sum.
-        op, post = self._op, self._post_factor
-        wires, ctxs = [], []
-        for p in dense:
-            wire, ctx = self._compression.compress(self._grad_of(p))
-            if not wire.is_contiguous():  # channels_last or transposed: reduce a packed copy
-                wire = wire.contiguous()  # (synchronize copies the result back into p.grad)
-            wires.append(wire)
-            ctxs.append(ctx)
-        bucket.wires, bucket.ctxs = wires, ctxs
-        # A bucket op covering only some parameters has no kept request.
-        bucket.start(wires, op, self._pre, post, self._process_set, keep=not sparse)
+        """Start the reduction of `bucket` (gradients.submit); variants override it."""
+        gradients.submit(
+            bucket,
+            self._names,
+            self._is_sparse,
+            self._compression,
+            self._op,
+            self._pre,
+            self._post_factor,  # Average's 1/size is applied by the engine (scaling.py)
+            self._process_set,
+        )
 
     def _backward_ended(self) -> None:
         """A backward pass that reached this optimizer's parameters ended: the step's
@@ -375,17 +339,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             kinds.agree(self._buckets, self._process_set)
         try:
             for bucket in self._buckets:
-                handle, bucket.handle = bucket.handle, None
-                if handle is not None:
-                    ops.synchronize(handle)
-                for p, wire, ctx in zip(bucket.dense, bucket.wires, bucket.ctxs):
-                    if ctx is not None or wire is not p.grad:
-                        out = self._compression.decompress(wire, ctx)
-                        assert p.grad is not None  # submitted: it has a gradient
-                        p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
-                    kinds.restore(p)  # the layout the wrapped optimizer takes
-                for p, sparse_handle in bucket.sparse:
-                    p.grad = ops.synchronize(sparse_handle)
+                gradients.collect(bucket, self._compression, kinds)
         except BaseException:
             self._end_step()
             raise
@@ -427,33 +381,14 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             if closure is None or self.in_flight():
                 self.synchronize()
             if closure is not None:
-                closure = self._reduced_closure(closure)
+                closure = reduced_closure(
+                    closure, self.synchronize, self._step.stepped, self._process_set
+                )
         self._step.stepped()
         result = self._opt.step(closure)
         if self._trial is not None and self._trial.choice is None:
             self._set_overlap(self._trial.step_ended())
         return result
-
-    def _reduced_closure(self, closure):
-        """`closure` whose gradients (synchronize()) and returned loss are averaged over the
-        set, so that an optimizer calling it several times (LBFGS) decides alike on every rank.
-        Synchronization: synchronize()'s, then one allreduce of the loss."""
-
-        def call():
-            loss = closure()
-            self.synchronize()
-            self._step.stepped()  # the step's own: no "reduced a second time" warning later
-            if loss is None:
-                return None
-            value = torch.as_tensor(loss).detach().to(torch.float64).reshape(1)
-            avg = ops.synchronize(
-                ops.allreduce_async(value, name="mpidp.closure_loss", process_set=self._process_set)
-            )
-            if isinstance(loss, torch.Tensor):
-                return avg.to(loss.dtype).reshape(loss.shape)
-            return avg.item()  # a float, whatever number type the closure returned
-
-        return call
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear gradients; refuses while reductions are in flight (call step() first); the
