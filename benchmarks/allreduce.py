@@ -4,7 +4,7 @@
                                                 [--json out.json]
 
 Cases: ResNet-18's 62 gradient tensors (11,689,512 float32) and single float32 tensors of 4 B to
-64 MB. Contenders, run once each per round, in an order that rotates from round to round:
+64 MB. Contenders, run once each per round, in an order shuffled anew each round:
 
   mpidp          allreduce_async_(t, name=..., op=Sum) for every tensor, then synchronize() each
   mpidp_grouped  (sets of tensors) grouped_allreduce_async_ of the whole set, then synchronize():
@@ -41,6 +41,7 @@ import time
 import numpy as np
 import torch
 from mpi4py import MPI
+from rounds import order as rounds_order
 
 import mpidp
 
@@ -228,16 +229,14 @@ def reps_for(nbytes: int) -> int:
 
 
 def bench_case(comm, name, tensors, contenders, rounds, warmup, reps):
-    """{contender: [seconds per call, one per round]}; contenders rotate order each round."""
+    """{contender: [seconds per call, one per round]}; contenders shuffled anew each round."""
     for label, fn in contenders:
         check(comm, tensors, fn, f"{name}/{label}")
         for _ in range(warmup):
             fn()
     samples = {label: [] for label, _ in contenders}
-    n = len(contenders)
     for r in range(rounds):
-        for k in range(n):
-            label, fn = contenders[(r + k) % n]
+        for label, fn in rounds_order(contenders, r):
             samples[label].append(timed(comm, fn, reps))
     return samples
 

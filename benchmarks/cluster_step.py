@@ -45,7 +45,6 @@ import argparse
 import copy
 import json
 import os
-import random
 import socket
 import statistics
 import subprocess
@@ -57,6 +56,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step  # noqa: E402
+from rounds import order as rounds_order  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOW = 1.3  # a step this many times its contender's median counts as slow in the report
@@ -217,7 +217,7 @@ def bench_model(name, comm, rounds, steps, hierarchical):
         # A new order each round, the same on every rank: a contender's time depends on the one
         # before it (the one after "no communication" ran ~5 % slower, whichever it was), and a
         # rotation keeps every contender behind the same neighbour.
-        order = random.Random(r).sample(runners, len(runners))
+        order = rounds_order(runners, r)
         for c in order:
             for _ in range(steps):
                 comm.Barrier()

@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
+from rounds import order as rounds_order  # noqa: E402
 
 import mpidp  # noqa: E402
 from mpidp.runtime import world  # noqa: E402
@@ -147,7 +148,7 @@ def main():
     for name in names:  # warm-up: allocator, caches, mpidp's response cache, NCCL set-up
         timed_steps(*runners[name], x, y, 2, device)
     for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rounds_order(names, r):
             comm.Barrier()
             times[name] += timed_steps(*runners[name], x, y, args.steps, device)
     grads = [torch.randn_like(p) for p in base.parameters()]

@@ -5,7 +5,7 @@
     MPIDP_BACKEND=gloo mpiexec -n 2 python benchmarks/half_wire.py     (gloo data path)
 
 For each size (bytes of the float32 tensor; the 16-bit ones hold the same number of elements),
-contenders run once each per round, in an order that rotates from round to round:
+contenders run once each per round, in an order shuffled anew each round:
 
   fp32           mpidp.allreduce_(t) of the float32 tensor
   fp16, bf16     the same call on a float16 / bfloat16 tensor of the same elements
@@ -24,6 +24,7 @@ import time
 
 import torch
 from mpi4py import MPI
+from rounds import order as rounds_order
 
 import mpidp
 
@@ -87,8 +88,7 @@ def main() -> None:
         samples = {name: [] for name in names}
         wire = {}
         for r in range(args.rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
+            for name in rounds_order(names, r):
                 if name in ("fp16", "bf16"):
                     mpidp.stats(reset=True)
                 samples[name].append(_timed(comm, calls[name]))

@@ -9,7 +9,7 @@ Meant for several hosts (docs/clusters.md says how to build a cluster of network
 one machine for it, with links shaped to a network profile). Each round runs raw mpi4py
 Allreduce on one buffer, mpidp with the flat allreduce and, where there are several hosts and
 several ranks on each, mpidp with `hierarchical_allreduce` (reduce-scatter in the host,
-allreduce across hosts, allgather in the host), in an order that rotates from round to round.
+allreduce across hosts, allgather in the host), in an order shuffled anew each round.
 mpidp is started with init(hierarchical_allreduce=...) and stopped with shutdown() for each
 contender. A sample is the largest time over the ranks of up to `--iters` blocking float32
 allreduces (Sum) after a barrier, per call: the warm-up call's time decides how many, so that a
@@ -34,6 +34,7 @@ import sys
 import time
 
 import numpy as np
+from rounds import order as rounds_order
 
 UNITS = {"K": 1024, "M": 1024 * 1024}
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -146,7 +147,7 @@ def measure(args):
     names = list(contenders)
     samples = {name: {n: [] for n in sizes} for name in names}
     for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rounds_order(names, r):
             for nbytes, secs in contenders[name]().items():
                 samples[name][nbytes].append(secs)
     if comm.Get_rank() != 0:

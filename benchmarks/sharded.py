@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import order as rounds_order  # noqa: E402
 from train_step import MODELS, setup_gloo  # noqa: E402
 
 NAMES = [
@@ -91,7 +92,7 @@ def bench(model_name, names, comm, rounds, steps):
         for _ in range(2):
             step(*runners[n][:2], x, y)
     for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
+        for n in rounds_order(names, r):
             comm.Barrier()
             times[n] += [step(*runners[n][:2], x, y) for _ in range(steps)]
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}

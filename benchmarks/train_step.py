@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
+from rounds import order as rounds_order  # noqa: E402
 
 import mpidp  # noqa: E402
 
@@ -159,8 +160,7 @@ def bench_model(name, comm, rounds, steps, overlap_ab):
         for _ in range(5):  # call's 4 names, mpidp/distributed/naming.py)
             c.step(x, y)
     for r in range(rounds):
-        order = runners[r % len(runners) :] + runners[: r % len(runners)]
-        for c in order:
+        for c in rounds_order(runners, r):
             comm.Barrier()
             c.times += [c.step(x, y) for _ in range(steps)]
     med = {c.name: statistics.median(c.times) * 1e3 for c in runners}
