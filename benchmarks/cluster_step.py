@@ -17,7 +17,9 @@ copy of the model (same initial weights), in an order shuffled anew each round:
 - hand-written MPI after backward: one in-place Allreduce per gradient (train_step.py's);
 - DDP over gloo, and DDP with torch's fp16_compress_hook, on the same links: the gloo store
   at rank 0's address on the cluster's bridge (MASTER_ADDR), GLOO_SOCKET_IFNAME the interface
-  that address is on.
+  that address is on;
+- DDP over mpidp's torch.distributed backend (a group on backend "mpidp"), and with the fp16
+  hook: what a torch.distributed script gets across hosts by switching gloo for mpidp.
 
 Each step's time is the slowest rank's median. The limits, for gradient bytes G (fp32; half for
 the fp16 contenders), n hosts, the link rate R (one direction; from --profile's entry in
@@ -81,6 +83,8 @@ CONTENDERS = (
     "per-tensor MPI after backward",
     "DDP (gloo)",
     "DDP fp16 hook",
+    "DDP (mpidp)",
+    "DDP (mpidp) fp16 hook",
 )
 
 
@@ -192,6 +196,12 @@ def contenders(build, comm, hierarchical):
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     m.register_comm_hook(None, default_hooks.fp16_compress_hook)
     out.append(train_step.Contender("DDP fp16 hook", m, sgd(m)))
+    group = train_step.MPIDP_GROUP[0]
+    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
+    out.append(train_step.Contender("DDP (mpidp)", m, sgd(m)))
+    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
+    m.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    out.append(train_step.Contender("DDP (mpidp) fp16 hook", m, sgd(m)))
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in default._buckets]
     # The bucket holding the first layers' gradients, the last ones that backward produces.
     first = next(p for g in default.param_groups for p in g["params"])
@@ -315,6 +325,12 @@ def report(result, file=sys.stdout):
             f"  DDP fp16 hook / mpidp fp16       {med['DDP fp16 hook'] / med['mpidp fp16']:9.3f}"
             f"   (goal > 1)"
         )
+        if "DDP (mpidp)" in med:
+            p(f"  DDP (mpidp) / DDP (gloo)         {med['DDP (mpidp)'] / med['DDP (gloo)']:9.3f}")
+            p(
+                f"  DDP (mpidp) fp16 / DDP fp16      "
+                f"{med['DDP (mpidp) fp16 hook'] / med['DDP fp16 hook']:9.3f}"
+            )
         best = min(med["mpidp overlap"], med["mpidp no overlap"])
         p(
             f"  mpidp (auto) / better forced     {ours / best:9.3f}   (goal <= 1.03; overlap "
@@ -401,6 +417,10 @@ def summarize(paths, plot):
                     got["mpidp/t_limit"] = s["mpidp"] / limits(row, n, rate, delay)[1]
                 if "mpidp hierarchical" in s:
                     got["hier/mpidp"] = s["mpidp hierarchical"] / s["mpidp"]
+                if "DDP (mpidp)" in s:
+                    got["DDPmpidp/DDPgloo"] = s["DDP (mpidp)"] / s["DDP (gloo)"]
+                    got["DDPmpidp/mpidp"] = s["DDP (mpidp)"] / s["mpidp"]
+                    got["DDPmpidpfp16/DDPfp16"] = s["DDP (mpidp) fp16 hook"] / s["DDP fp16 hook"]
                 for k, v in got.items():
                     ratios.setdefault(k, []).append(v)
             print(f"  {model} (ms, median of launches; per launch)")

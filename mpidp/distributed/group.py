@@ -126,7 +126,10 @@ class ProcessGroupMpidp(dist.ProcessGroup):
             return Work.finished(tensors)
         if hold:
             return hid
-        return self._work([hid], lambda _: (finish(), tensors)[1])
+        work = self._work([hid], lambda _: (finish(), tensors)[1])
+        if opts.asyncOp:
+            self._held.track(work, tensors[0])
+        return work
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()

@@ -7,6 +7,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch.autograd import Variable
 
+from .. import ops
 from ..log import logger
 from ..runtime import world
 from ..training import overlap
@@ -49,12 +50,21 @@ class Held:
     before DDP's own, which waits on the buckets' futures), a wait() on one of their works, a
     call whose name one of them holds, or HOLD_LIMIT_S. Names are given at call time, so every
     rank names its calls alike whenever each submits them.
+
+    At the end of the backward pass the same callback also completes, on the pass's thread,
+    every call of the pass: the held ones and those submitted at once from it on host memory
+    (track()). DDP's final callback, which runs next, only waits for their futures, a wait of
+    torch's that the engine cannot see: it would go on pacing its waits for a thread that
+    computes, with sleeps between tests, where across hosts MPI moves bytes only inside a test
+    (BENCHMARKS.md, "DDP over mpidp across hosts"). Completed here, they are waited for as a
+    blocking call waits, the thread driving the engine when it is idle.
     """
 
     def __init__(self, on_error: Callable[[BaseException], None]):
         self._on_error = on_error
         self._lock = threading.Lock()
         self._calls: List[Tuple[str, Callable[[], int], _HeldWork]] = []
+        self._running: List[Work] = []  # submitted from the backward pass in flight (track())
         self._overlap: Dict[str, bool] = {}  # device type -> the overlap rule's answer
 
     def applies(self, tensor: torch.Tensor) -> bool:
@@ -85,17 +95,39 @@ class Held:
             first = len(self._calls) == 1
         # One callback per held call, not one per pass: a pass that raised runs none of its
         # callbacks, and a flag saying "queued" would then outlive it.
-        Variable._execution_engine.queue_callback(self.release)
+        Variable._execution_engine.queue_callback(self._backward_ended)
         if first:
             _DEADLINES.arm(self)
         return work
 
-    def release(self, late: bool = False) -> None:
-        """Submit every held call, in the order they were called. Synchronization: none."""
+    def track(self, work: Work, tensor: torch.Tensor) -> None:
+        """`work`, of an async allreduce of `tensor` submitted at once (not held), is completed
+        at the end of the backward pass it was called from, if it was called from one, on host
+        memory. Synchronization: none."""
+        if tensor.device.type != "cpu" or torch._C._current_autograd_node() is None:
+            return
+        with self._lock:
+            self._running.append(work)
+        Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        """The backward pass ended: submit every held call, then complete every call of the
+        pass on this thread (the class docstring says why). Synchronization: the calls' ops,
+        with every rank of the group."""
+        with ops.blocking():  # this thread runs them: the engine thread is not woken
+            works = self.release()
+        with self._lock:
+            running, self._running = self._running, []
+        for work in running + works:
+            work.complete()
+
+    def release(self, late: bool = False) -> List[Work]:
+        """Submit every held call, in the order they were called; returns their works.
+        Synchronization: none."""
         with self._lock:
             calls, self._calls = self._calls, []
         if not calls:
-            return
+            return []
         _DEADLINES.disarm(self)
         if late:
             logger.warning(
@@ -111,6 +143,7 @@ class Held:
             except BaseException as exc:  # noqa: BLE001  (its waiter raises it)
                 work.submit_error = exc
                 work.complete()
+        return [work for _, _, work in calls]
 
 
 class _Deadlines:

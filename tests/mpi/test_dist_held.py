@@ -1,8 +1,10 @@
 """torch.distributed over "mpidp": async allreduces called in a backward pass are held to its end
-where the overlap rule says overlapping does not pay, and whatever waits on them still gets them."""
+where the overlap rule says overlapping does not pay, are completed on its thread when it ends, and
+whatever waits on them still gets them."""
 
 import copy
 import logging
+import threading
 import time
 
 import pytest
@@ -12,6 +14,7 @@ from mpi_util import assert_all, ddp_beside_one_process, rank, size, tensor_diff
 
 import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
 from mpidp.distributed import held
+from mpidp.distributed import work as work_module
 from mpidp.training import overlap
 
 
@@ -83,6 +86,40 @@ def test_nothing_held_where_overlap_pays(group):
     _backward_with(during)
     problem = tensor_diff(seen["t"], torch.full((2,), float(size())))
     assert_all(not problem, problem)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["held", "not_held"], indirect=True)
+def test_the_calls_of_a_backward_pass_are_completed_on_its_thread_when_it_ends(group, monkeypatch):
+    """Held or submitted at once, the async allreduces a backward pass called are completed by
+    the end of the pass, by its own thread (it drives the engine, its waits spin, as a blocking
+    call's do), not left to the completion thread while DDP waits on their futures."""
+    n = size()
+    callers: dict = {}
+    complete = work_module.Work.complete
+
+    def recorded(self):
+        callers.setdefault(id(self), set()).add(threading.get_ident())
+        complete(self)
+
+    monkeypatch.setattr(work_module.Work, "complete", recorded)
+    out = []
+
+    def during(_):
+        for k in range(3):
+            t = torch.full((k + 2,), float(rank() + k))
+            out.append((t, dist.all_reduce(t, async_op=True, group=group)))
+
+    _backward_with(during)
+    done = [w.is_completed() for _, w in out]
+    by_us = [threading.get_ident() in callers.get(id(w), ()) for _, w in out]
+    for _, w in out:
+        w.wait()
+    want = [n * (n - 1) / 2 + n * k for k in range(3)]
+    problems = [tensor_diff(t, torch.full(t.shape, v)) for (t, _), v in zip(out, want)]
+    assert_all(
+        all(done) and all(by_us) and not any(problems),
+        f"completed by the end of the pass: {done}; by its thread: {by_us}; {problems}",
+    )
 
 
 def test_wait_inside_backward_submits_what_is_held(group):
