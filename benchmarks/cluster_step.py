@@ -149,6 +149,7 @@ class Hierarchical(train_step.Contender):
 
 
 def contenders(build, comm, hierarchical):
+    import torch.distributed as dist
     from mpi4py import MPI
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -196,12 +197,15 @@ def contenders(build, comm, hierarchical):
     m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     m.register_comm_hook(None, default_hooks.fp16_compress_hook)
     out.append(train_step.Contender("DDP fp16 hook", m, sgd(m)))
-    group = train_step.MPIDP_GROUP[0]
-    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
-    out.append(train_step.Contender("DDP (mpidp)", m, sgd(m)))
-    m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
-    m.register_comm_hook(group, default_hooks.fp16_compress_hook)
-    out.append(train_step.Contender("DDP (mpidp) fp16 hook", m, sgd(m)))
+    for name, hook in (("DDP (mpidp)", None), ("DDP (mpidp) fp16 hook", "fp16")):
+        # A group each: a group's `auto` times the steps of the one model whose calls it gets.
+        group = dist.new_group(backend="mpidp")
+        m = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
+        if hook:
+            m.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        c = train_step.Contender(name, m, sgd(m))
+        c.settled = group.overlap_settled
+        out.append(c)
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in default._buckets]
     # The bucket holding the first layers' gradients, the last ones that backward produces.
     first = next(p for g in default.param_groups for p in g["params"])
@@ -217,7 +221,9 @@ def bench_model(name, comm, rounds, steps, hierarchical):
     for c in runners:  # warm-up: allocator, caches, mpidp's response cache, DDP's buckets
         # ... and `auto` overlap's trial of both modes (mpidp/training/overlap.py), which the
         # same number of steps settles on every rank.
-        settled = getattr(c.optimizer, "overlap_settled", lambda: True)
+        settled = getattr(c, "settled", None) or getattr(
+            c.optimizer, "overlap_settled", lambda: True
+        )
         done = 0
         while done < 2 or not settled():
             comm.Barrier()

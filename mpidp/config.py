@@ -185,9 +185,11 @@ class Config:
         "With MPIDP_OVERLAP=auto, parameters on the CPU and ranks on several hosts, "
         "DistributedOptimizer times its first training steps in four blocks of this many, "
         "overlapped, not, not, overlapped (16 steps at 3, settling ones included), and keeps "
-        "the mode whose median step was shorter; the choice is logged. Whether overlapping "
-        "pays there depends on the link against the cores: it did at 1 Gbit/s and not at 10 "
-        "on the test cluster (BENCHMARKS.md). 0: no trial, the core rule alone.",
+        "the mode whose median step was shorter; the choice is logged. A torch.distributed "
+        "group on backend mpidp does the same for the allreduces that backward passes make "
+        "(DDP's buckets), a step being one backward pass's end to the next. Whether "
+        "overlapping pays there depends on the link against the cores: it did at 1 Gbit/s and "
+        "not at 10 on the test cluster (BENCHMARKS.md). 0: no trial, the core rule alone.",
         must_agree=False,
     )
     reduce_in_backward: bool = _knob(

@@ -75,6 +75,12 @@ class ProcessGroupMpidp(dist.ProcessGroup):
     def setGroupDesc(self, desc: str) -> None:
         self._desc = desc
 
+    def overlap_settled(self) -> bool:
+        """Whether this group's async allreduces from backward passes (DDP's buckets) have a
+        fixed overlap mode: `auto` across hosts times both modes over the first passes first
+        (docs/torch_distributed.md). Synchronization: none."""
+        return self._held.settled()
+
     @property
     def process_set(self):
         """The mpidp process set this group runs on (mpidp.global_process_set for the world)."""

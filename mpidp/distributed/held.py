@@ -1,4 +1,4 @@
-"""Async allreduces called during a backward pass, held until it ends where overlap does not pay."""
+"""A backward pass's async allreduces: held to its end where overlap does not pay; done there."""
 
 import threading
 import time
@@ -42,8 +42,11 @@ class Held:
     (training/overlap.py, the `overlap` knob) says that reducing beside the backward pass does
     not pay: on a host whose cores the backward pass keeps busy, a reduction run beside it
     slows both (BENCHMARKS.md, "DDP over mpidp holds its buckets"). Elsewhere nothing is held.
-    The rule's core count alone decides here, across hosts too (decide(), not the optimizer's
-    timed Trial: DDP's steps are not this layer's to time).
+    Across hosts, for host tensors, `auto` is settled as DistributedOptimizer settles it: by
+    timing both modes (overlap.Trial), a step here being the time from the end of one backward
+    pass that made calls to the end of the next (DDP makes them in every pass it reduces in).
+    The core rule alone was the slower choice for DDP over mpidp at 1 Gbit/s on the test
+    cluster (BENCHMARKS.md, "DDP over mpidp across hosts").
 
     Held calls are submitted, in the order they were called, by the first of: the end of the
     backward pass (an autograd final callback, queued with each held call, so that it runs
@@ -66,6 +69,7 @@ class Held:
         self._calls: List[Tuple[str, Callable[[], int], _HeldWork]] = []
         self._running: List[Work] = []  # submitted from the backward pass in flight (track())
         self._overlap: Dict[str, bool] = {}  # device type -> the overlap rule's answer
+        self._trial: Optional[overlap.Trial] = None  # `auto` timed, for host tensors
 
     def applies(self, tensor: torch.Tensor) -> bool:
         """Whether an async allreduce of `tensor` called now is held: overlap does not pay on
@@ -74,8 +78,19 @@ class Held:
         device = tensor.device.type
         overlaps = self._overlap.get(device)
         if overlaps is None:
-            overlaps = self._overlap[device] = overlap.decide(world.state(), [tensor])
+            state = world.state()
+            overlaps = overlap.decide(state, [tensor])
+            if device == "cpu":
+                self._trial = overlap.trial(state, [tensor])
+                if self._trial is not None:
+                    overlaps = self._trial.mode
+            self._overlap[device] = overlaps
         return not overlaps and torch._C._current_autograd_node() is not None
+
+    def settled(self) -> bool:
+        """Whether the overlap mode of calls from backward passes is fixed: by the knob or the
+        core rule, or the timed trial is over. Synchronization: none."""
+        return self._trial is None or self._trial.choice is not None
 
     def hold(self, name: str, submit: Callable[[], int], finish) -> Work:
         """Hold the call named `name` (`submit()` submits it and returns its handle); returns
@@ -120,6 +135,9 @@ class Held:
             running, self._running = self._running, []
         for work in running + works:
             work.complete()
+        trial = self._trial
+        if trial is not None and trial.choice is None and (running or works):
+            self._overlap["cpu"] = trial.step_ended()
 
     def release(self, late: bool = False) -> List[Work]:
         """Submit every held call, in the order they were called; returns their works.

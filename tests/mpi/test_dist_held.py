@@ -122,6 +122,42 @@ def test_the_calls_of_a_backward_pass_are_completed_on_its_thread_when_it_ends(g
     )
 
 
+def test_auto_times_both_modes_over_the_first_backward_passes(monkeypatch):
+    """Where `auto` is settled by timing (across hosts, host tensors: overlap.trial, here made
+    to apply on one host), a group's calls from backward passes are held or not in the trial's
+    blocks, overlapped, not, not, overlapped, one mode is kept after it, the group says when it
+    is settled, and every result is right."""
+    monkeypatch.setattr(overlap, "trial", lambda state, params: overlap.Trial(1))
+    g = dist.new_group(backend="mpidp")
+    n = size()
+    try:
+        modes, settled, problems = [], [], []
+        for i in range(11):
+            out = []
+
+            def during(_):
+                t = torch.full((3,), float(rank() + i))
+                out.append((t, dist.all_reduce(t, async_op=True, group=g)))
+
+            _backward_with(during)
+            t, work = out[0]
+            modes.append(not isinstance(work, held._HeldWork))
+            settled.append(g.overlap_settled())
+            work.wait()
+            problems.append(tensor_diff(t, torch.full((3,), n * (n - 1) / 2 + n * i)))
+    finally:
+        dist.destroy_process_group(g)
+    # 2 first passes, then blocks of 1 timed pass, a settling pass after each switch.
+    want = [True, True, True, False, False, False, True, True]
+    assert_all(
+        modes[:8] == want
+        and settled == [False] * 7 + [True] * 4
+        and len(set(modes[8:])) == 1
+        and not any(problems),
+        f"overlapped: {modes}; settled: {settled}; {problems}",
+    )
+
+
 def test_wait_inside_backward_submits_what_is_held(group):
     """A wait on a held call inside the backward pass submits it (and every call held before
     it), in call order, and the ranks' names still match."""
