@@ -39,10 +39,9 @@ class ProcessGroupMpidp(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._done = Work.finished([])  # what a blocking call returns: torch only waits on it
-        self._names = CallNames(
-            "w" if process_set is None else f"s{'.'.join(map(str, self._ranks))}"
-        )
-        self._held = Held(self._names.failed)
+        prefix = "w" if process_set is None else f"s{'.'.join(map(str, self._ranks))}"
+        self._names = CallNames(prefix)
+        self._held = Held(self._names.failed, process_set, f"mpidp.overlap_trial.{prefix}")
 
     # ---- what torch asks of a process group ----
 

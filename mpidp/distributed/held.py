@@ -63,8 +63,10 @@ class Held:
     blocking call waits, the thread driving the engine when it is idle.
     """
 
-    def __init__(self, on_error: Callable[[BaseException], None]):
+    def __init__(self, on_error: Callable[[BaseException], None], process_set=None, name=""):
         self._on_error = on_error
+        self._process_set = process_set  # the group's, for the trial's one allreduce
+        self._name = name  # that allreduce's
         self._lock = threading.Lock()
         self._calls: List[Tuple[str, Callable[[], int], _HeldWork]] = []
         self._running: List[Work] = []  # submitted from the backward pass in flight (track())
@@ -81,7 +83,7 @@ class Held:
             state = world.state()
             overlaps = overlap.decide(state, [tensor])
             if device == "cpu":
-                self._trial = overlap.trial(state, [tensor])
+                self._trial = overlap.trial(state, [tensor], self._process_set, self._name)
                 if self._trial is not None:
                     overlaps = self._trial.mode
             self._overlap[device] = overlaps

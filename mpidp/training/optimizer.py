@@ -110,7 +110,16 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._overlap = overlap.decide(world.state(), self._trained)
         # Timed through this class's step(); the variants that step otherwise keep decide()'s.
         own_step = type(self).step is DistributedOptimizer.step
-        self._trial = overlap.trial(world.state(), self._trained) if own_step else None
+        self._trial = (
+            overlap.trial(
+                world.state(),
+                self._trained,
+                process_set,
+                f"mpidp.overlap_trial.{self._seq}",
+            )
+            if own_step and not self._outside
+            else None
+        )
         if self._trial is not None:
             self._set_overlap(self._trial.mode)
 

@@ -3,14 +3,16 @@ where the overlap rule says overlapping does not pay, are completed on its threa
 whatever waits on them still gets them."""
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
-from mpi_util import assert_all, ddp_beside_one_process, rank, size, tensor_diff
+from mpi_util import assert_all, ddp_beside_one_process, gather, rank, size, tensor_diff
 
 import mpidp.distributed  # noqa: F401  (registers backend "mpidp")
 from mpidp.distributed import held
@@ -127,7 +129,16 @@ def test_auto_times_both_modes_over_the_first_backward_passes(monkeypatch):
     to apply on one host), a group's calls from backward passes are held or not in the trial's
     blocks, overlapped, not, not, overlapped, one mode is kept after it, the group says when it
     is settled, and every result is right."""
-    monkeypatch.setattr(overlap, "trial", lambda state, params: overlap.Trial(1))
+    real_trial = overlap.trial
+
+    def trial(state, params, process_set=None, name=""):
+        across = types.SimpleNamespace(  # across hosts, as far as trial() can tell
+            config=dataclasses.replace(state.config, overlap="auto", overlap_trial_steps=1),
+            cross_size=2,
+        )
+        return real_trial(across, params, process_set, name)
+
+    monkeypatch.setattr(overlap, "trial", trial)
     g = dist.new_group(backend="mpidp")
     n = size()
     try:
@@ -147,14 +158,17 @@ def test_auto_times_both_modes_over_the_first_backward_passes(monkeypatch):
             problems.append(tensor_diff(t, torch.full((3,), n * (n - 1) / 2 + n * i)))
     finally:
         dist.destroy_process_group(g)
-    # 2 first passes, then blocks of 1 timed pass, a settling pass after each switch.
+    # 2 first passes, then blocks of 1 timed pass, a settling pass after each switch; the
+    # ranks agree on the mode they keep.
     want = [True, True, True, False, False, False, True, True]
+    kept = gather(modes[-1])
     assert_all(
         modes[:8] == want
         and settled == [False] * 7 + [True] * 4
         and len(set(modes[8:])) == 1
+        and len(set(kept)) == 1
         and not any(problems),
-        f"overlapped: {modes}; settled: {settled}; {problems}",
+        f"overlapped: {modes}; settled: {settled}; kept by the ranks: {kept}; {problems}",
     )
 
 

@@ -1203,6 +1203,8 @@ def test_auto_overlap_across_hosts_times_both_modes_and_training_stays_exact():
             f"modes {modes}, settled after {settled_at} steps",
         )
         assert_all(len(set(modes[12:])) <= 1, f"the mode changed after the trial: {modes}")
+        kept = gather(modes[-1])
+        assert_all(len(set(kept)) == 1, f"the ranks kept different modes: {kept}")
         err = _close(model, ref)
         assert_all(err < 1e-10, f"deviation from one process {err}")
         _assert_replicas_bitwise(model, "through the trial")
