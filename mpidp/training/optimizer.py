@@ -376,7 +376,8 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         """Synchronize gradients (unless inside skip_synchronize()), then step the optimizer.
         A closure is reduced at each call: the gradients it makes are averaged, and so is the
         loss it returns (detached), so that LBFGS decides alike on every rank. Synchronization:
-        synchronize()'s, and one allreduce of the loss per call of the closure."""
+        synchronize()'s, one allreduce of the loss per call of the closure, and at the last step
+        of `auto` overlap's trial one allreduce of its medians (overlap.Trial)."""
         if self._step.should_sync:
             if self._step.warn_double_sync(self.in_flight()):
                 # Horovod's words first: scripts and tests match on them.
