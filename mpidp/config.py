@@ -138,7 +138,9 @@ class Config:
         "twice the bandwidth of one 64 MB call on one host (BENCHMARKS.md). Unset, a job "
         "whose ranks span hosts times its first 3 chunked reductions and, if the link moved "
         "less than 3 Gbit/s (there the network sets the pace, and each chunk's start and end "
-        "leave it idle), reduces large tensors whole from then on (engine/link.py).",
+        "leave it idle), reduces large tensors whole from then on (engine/link.py). Across "
+        "hosts a tensor that goes whole crosses as 1 MiB pieces all in flight at once, which "
+        "UCX sends eagerly over TCP (engine/backends/host.py).",
     )
     cycle_time_ms: float = _knob(
         "MPIDP_CYCLE_TIME_MS",

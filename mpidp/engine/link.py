@@ -48,6 +48,8 @@ class LinkPace:
         logger.info(
             "the link between hosts reduced at %.2f Gbit/s: large tensors go %s",
             rate[0] * 8e-9,
-            "whole (a chunk's start and end would leave it idle)" if slow else "in chunks",
+            "all at once, in pieces (a chunk's start and end would leave it idle)"
+            if slow
+            else "in chunks, one at a time",
         )
         return slow

@@ -371,7 +371,7 @@ def test_16_bit_floats_across_hosts_go_in_pieces_with_the_host_result(paths, dty
     comms = Comms(MPI.COMM_WORLD)
     try:
         pieced = HostBackend(comms, _config())
-        pieced.network, pieced.half_piece_bytes = True, 16  # 8 elements a piece
+        pieced.network, pieced.piece_bytes = True, 16  # 8 elements a piece
         pieced.comm = counting = Counting(pieced.comm)
         for shape in [(), (5,), (9,), (3, 40), (300,)]:  # (300,): 600 bytes, past a 256 B chunk
             t = values(shape, dtype, RANK)
@@ -380,6 +380,60 @@ def test_16_bit_floats_across_hosts_go_in_pieces_with_the_host_result(paths, dty
             _check(paths["host"], pieced, batch, entries, f"{dtype} {op.name} {shape} pieces")
         # 300 elements in chunks of 128, 128 and 44 elements: 16 + 16 + 6 pieces of 8.
         assert_all(counting.calls == 38, f"{counting.calls} collectives for 300 elements, not 38")
+    finally:
+        comms.free()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32], ids=dtype_id)
+@pytest.mark.parametrize("op", REDUCE_OPS, ids=lambda o: o.name)
+def test_whole_buffers_across_hosts_go_in_pieces_and_chunks_do_not(paths, dtype, op):
+    """Where the ranks span hosts, a buffer that goes whole (chunk_bytes 0: what a slow link's
+    verdict sets) goes to the flat allreduce in pieces, and a chunked one goes one collective a
+    chunk (host.py says why): the results equal the one-collective host path's either way."""
+    comms = Comms(MPI.COMM_WORLD)
+    try:
+        for chunk_bytes, calls in (
+            (0, -(-300 * dtype.itemsize // 32)),
+            (256, -(-300 * dtype.itemsize // 256)),
+        ):
+            pieced = HostBackend(comms, _config(chunk_bytes=chunk_bytes))
+            pieced.network, pieced.piece_bytes = True, 32
+            pieced.comm = counting = Counting(pieced.comm)
+            for shape in [(), (5,), (3, 40), (300,)]:
+                t = values(shape, dtype, RANK)
+                batch, entries = single(f"wp{chunk_bytes}{shape}", ALLREDUCE, t, reduce_op=op)
+                counting.calls = 0
+                what = f"{dtype} {op.name} {shape} chunk_bytes={chunk_bytes}"
+                _check(paths["host"], pieced, batch, entries, what)
+            assert_all(
+                counting.calls == calls,
+                f"{counting.calls} collectives for 300 elements in chunks of {chunk_bytes} "
+                f"bytes, not {calls}",
+            )
+    finally:
+        comms.free()
+
+
+@pytest.mark.mpi
+def test_the_express_lane_leaves_a_buffer_that_crosses_a_slow_link_to_the_pieces():
+    """The express lane runs a lone allreduce as one MPI call; across hosts, where a buffer
+    that goes whole goes in pieces, a buffer longer than a piece takes the general path."""
+    from types import SimpleNamespace
+
+    from mpidp.engine import lane
+
+    req = SimpleNamespace(prescale=1.0, postscale=1.0, reduce_op=ReduceOp.SUM)
+    comms = Comms(MPI.COMM_WORLD)
+    try:
+        route = HostBackend(comms, _config(chunk_bytes=0))
+        route.piece_bytes = 32
+        found = []
+        for network in (False, True):
+            route.network = network
+            found += [lane.plan(route, req, torch.ones(n), SIZE).op is not None for n in (8, 9)]
+        want = [True, True, True, False]
+        assert_all(found == want, f"lane taken (one host 8, 9 floats; across): {found}")
     finally:
         comms.free()
 

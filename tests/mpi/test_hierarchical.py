@@ -115,14 +115,15 @@ class _CrossCounted:
 
 @needs_nodes
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
-def test_16_bit_floats_cross_nodes_in_pieces_on_the_hierarchy(pair, dtype):
-    """Across hosts the hierarchy's cross-node step sends 16-bit floats in pieces, as the flat
-    path does (host.py says why): one collective per piece, the same bits as whole."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=dtype_id)
+def test_whole_buffers_cross_nodes_in_pieces_on_the_hierarchy(pair, dtype):
+    """Across hosts the hierarchy's cross-node step sends a buffer that goes whole (no chunks)
+    in pieces, as the flat path does (host.py says why): one collective per piece, the same
+    bits as whole."""
     hier, _, _, comms = pair
-    plain = dict(backend="mpi", simulated_local_size=NODE, chunk_bytes=0)
+    plain = dict(backend="mpi", simulated_local_size=NODE, chunk_bytes=0, hierarchical_allreduce=1)
     pieced = HostBackend(comms, mpidp_config.load(env={}, **plain))
-    pieced.network, pieced.half_piece_bytes = True, 16  # 8 elements a piece
+    pieced.network, pieced.piece_bytes = True, 8 * dtype.itemsize  # 8 elements a piece
     pieced.comms = counted = _CrossCounted(comms)
     for n in LENGTHS:
         t = values((n,), dtype, RANK)

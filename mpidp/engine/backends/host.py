@@ -21,15 +21,17 @@ from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 from . import hierarchy, parts
 
-# Across hosts, 16-bit floats cross in pieces of this many bytes, all in flight at once (the
-# flat allreduce, or the hierarchy's cross-node step). Their user-defined op makes MPICH send
-# whole buffers, and over TCP UCX sends a message above 2 MB by rendezvous, whose two directions
-# sometimes ran one after the other: at 1 Gbit/s, 2 hosts x 1 rank, 17 of 150 of the wide
-# model's fp16 steps took 1.8x (446-471 against 245-265 ms); in pieces of 1 MiB none of 150 did,
-# the median the same, and at 10 Gbit/s the steps took as long (BENCHMARKS.md, "16-bit floats
-# across hosts in pieces"); at 2 hosts x 2 ranks the hierarchy's step in pieces took 371.6
-# against 401.1 ms (4 launches each; "`auto` overlap by measure").
-_HALF_PIECE_BYTES = 1 << 20
+# Across hosts, a buffer that goes whole (a slow link: engine/link.py) and every 16-bit float
+# buffer cross in pieces of this many bytes, all in flight at once (the flat allreduce, or the
+# hierarchy's cross-node step). Over TCP, UCX sends a message above 2 MB by rendezvous, whose
+# two directions sometimes run one after the other; pieces go eager. 16-bit floats (their
+# user-defined op makes MPICH send whole buffers): at 1 Gbit/s, 2 hosts x 1 rank, 17 of 150 of
+# the wide model's fp16 steps took 1.8x whole, none of 150 in 1 MiB pieces, and at 10 Gbit/s the
+# steps took as long (BENCHMARKS.md, "16-bit floats across hosts in pieces"). float32 at
+# 1 Gbit/s: a 50 MB allreduce took 423-551 ms whole and 423-451 ms in pieces at 2 hosts x 2
+# ranks, 418-542 against 406-416 at 2 x 1 (BENCHMARKS.md, "Whole buffers across a slow link go
+# in pieces"). On a fast link float32 goes in chunks, one at a time, as the cores set the pace.
+_PIECE_BYTES = 1 << 20
 
 
 def _np(t: torch.Tensor):
@@ -78,7 +80,7 @@ class HostBackend:
             "hierarchical_allreduce" not in config.explicit and hierarchy.fits(comms)
         )
         self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
-        self.half_piece_bytes = _HALF_PIECE_BYTES  # across hosts, flat (tests set it lower)
+        self.piece_bytes = _PIECE_BYTES  # across hosts (tests set it lower)
         # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
         # link each chunk's collective leaves the link idle at its start and end. So across
         # hosts, unless the knob is set, the first chunked reductions measure the link.
@@ -138,8 +140,8 @@ class HostBackend:
             call, comm = hierarchy.allreduce, self.comms
         else:
             call, comm = mpi.allreduce, self.comm
-        if self.network and out.dtype in dtypes.HALF:
-            extra = (self.half_piece_bytes // recv.itemsize,)
+        if self.network and (step <= 0 or out.dtype in dtypes.HALF):
+            extra = (self.piece_bytes // recv.itemsize,)
         n = recv.size
         if step <= 0 or n <= step:
             call(comm, send, recv, op, self.busy, self.network, *extra)
