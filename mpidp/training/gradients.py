@@ -60,11 +60,15 @@ def collect(bucket: Bucket, compression, kinds) -> None:
     handle, bucket.handle = bucket.handle, None
     if handle is not None:
         ops.synchronize(handle)
+    into = getattr(compression, "decompress_into", None)  # Horovod's compressors lack it
     for p, wire, ctx in zip(bucket.dense, bucket.wires, bucket.ctxs):
         if ctx is not None or wire is not p.grad:
-            out = compression.decompress(wire, ctx)
             assert p.grad is not None  # submitted: it has a gradient
-            p.grad.copy_(torch.view_as_complex(out) if p.grad.is_complex() else out)
+            grad = torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad
+            if into is not None:
+                into(wire, ctx, grad)
+            else:
+                grad.copy_(compression.decompress(wire, ctx))
         kinds.restore(p)
     for p, sparse_handle in bucket.sparse:
         p.grad = ops.synchronize(sparse_handle)
