@@ -73,7 +73,7 @@ def plan(route, req, t: torch.Tensor, size: int) -> Lane:
     nbytes = t.numel() * t.element_size()
     if nbytes > route.chunk_bytes > 0:
         return Lane()
-    if route.network and route.chunk_bytes <= 0 and nbytes > route.piece_bytes:
-        return Lane()  # across a slow link it goes in pieces (backends/host.py)
+    if route.whole_in_pieces and nbytes > route.piece_bytes:
+        return Lane()  # it goes in pieces, several MPI calls
     factor = scaling.after_factor(req.reduce_op, req.postscale, size)
     return Lane(route, mpi.mpi_op(req.reduce_op, False), factor, nbytes)
