@@ -51,8 +51,11 @@ _SLEEP_MAX_S = 1e-3
 # backward pass has the core: MPICH's TCP transport moves bytes only inside a test, so sleeps
 # of up to 1 ms left a 1 Gbit/s link idle and a reduction overlapped with the backward pass was
 # slower than one after it (ResNet-18 at 1gbe, 2 x 1: 498-518 ms against 471-491; with 30 us,
-# 444-447 ms, BENCHMARKS.md "The network wait's sleeps").
-_NETWORK_SLEEP_MAX_S = 30e-6
+# 444-447 ms, BENCHMARKS.md "The network wait's sleeps"). Where a test reads 2 MiB from a
+# socket (UCX's TCP segment as mpidp sets it, runtime/ucx_segment.py) and the link was measured
+# slow, 1 ms sleeps keep it fed at half the CPU: the backward pass gets the difference.
+NETWORK_SLEEP_MAX_S = 30e-6
+NETWORK_SLEEP_LONG_S = 1e-3
 
 
 def mpi_op(reduce_op: int, is_bool: bool):
@@ -326,7 +329,7 @@ def allreduce(
     recv: Buffer,
     op,
     busy=None,
-    network: bool = False,
+    network: float = 0.0,
     piece: int = 0,
 ) -> None:
     """Allreduce into `recv`; `send=None` means in place.
@@ -335,9 +338,9 @@ def allreduce(
     thread waits for the result, but during a backward pass the spin takes a core from the
     gradients still being computed (and from the other ranks' on a full node). So unless
     `busy()` says a user waits, the wait gives the core away between tests, switching to the
-    blocking wait as soon as `busy()` turns true: with `network` (the ranks span hosts, so the
-    network, not this core, moves the bytes, but only inside MPI's tests) it sleeps between
-    tests, at most _NETWORK_SLEEP_MAX_S; on one host, where MPI copies through shared memory
+    blocking wait as soon as `busy()` turns true: with `network` > 0 (the ranks span hosts, so
+    the network, not this core, moves the bytes, but only inside MPI's tests) it sleeps between
+    tests, at most `network` seconds; on one host (0), where MPI copies through shared memory
     only inside its tests, it yields. Always non-blocking: MPI does not match a blocking
     collective with a non-blocking one, and ranks may decide differently; here Iallreduce +
     Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md). With `piece` > 0 a buffer
@@ -370,7 +373,7 @@ def allreduce(
     _paced(request.Test, request.Wait, busy, network)
 
 
-def _paced(done, finish, busy, network: bool) -> None:
+def _paced(done, finish, busy, network: float) -> None:
     """Test with `done()` until it is true, giving the core away between tests (allreduce says
     how); `finish()` (the blocking wait) as soon as `busy()` turns true."""
     delay = 20e-6
@@ -380,7 +383,7 @@ def _paced(done, finish, busy, network: bool) -> None:
             return
         if network:
             time.sleep(delay)
-            delay = min(delay * 2, _NETWORK_SLEEP_MAX_S)
+            delay = min(delay * 2, network)
         else:
             os.sched_yield()
 

@@ -18,7 +18,7 @@ import socket
 import struct
 from typing import MutableMapping, Optional
 
-NETMOD_VARIABLES = ("MPICH_CH4_NETMOD", "MPIR_CVAR_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
+from ..engine.mpi_library import NETMOD_VARIABLES
 
 
 def _pmi_server(fd: int) -> Optional[str]:

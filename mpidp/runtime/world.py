@@ -12,7 +12,7 @@ from ..engine.handles import HandleTable
 from ..errors import ConfigError, MpidpError, NotInitializedError
 from ..log import configure as _configure_log
 from ..log import logger
-from . import malloc_reuse, set_registry, slurm_pmi, uncaught, unknown_vars
+from . import malloc_reuse, set_registry, slurm_pmi, ucx_segment, uncaught, unknown_vars
 from .member import Member
 
 
@@ -169,7 +169,10 @@ def init(comm=None, process_sets=None, **overrides) -> None:
     Registers shutdown() at exit.
     """
     global _state, _atexit_registered
-    netmod_note = None if "mpi4py.MPI" in sys.modules else slurm_pmi.choose_netmod()
+    netmod_note = None
+    if "mpi4py.MPI" not in sys.modules:  # MPI starts below: what it reads must be set now
+        netmod_note = slurm_pmi.choose_netmod()
+        ucx_segment.prepare()
     from mpi4py import MPI  # imported here: importing mpidp must not initialise MPI
 
     from ..engine.engine import Engine

@@ -43,7 +43,7 @@ def _unfit(comms) -> str:
     return ""
 
 
-def allreduce(comms, send, recv, op, busy=None, network: bool = False, piece: int = 0) -> None:
+def allreduce(comms, send, recv, op, busy=None, network: float = 0.0, piece: int = 0) -> None:
     """Allreduce flat buffers (`send=None`: in place) over the node hierarchy.
 
     Synchronization: collectives on comms.local, comms.cross and comms.local again (and on

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from .. import adasum, dtypes, fusion, half, link, mpi, scaling
+from .. import adasum, dtypes, fusion, half, link, mpi, mpi_library, scaling
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
 from . import hierarchy, parts
@@ -32,6 +32,10 @@ from . import hierarchy, parts
 # ranks, 418-542 against 406-416 at 2 x 1 (BENCHMARKS.md, "Whole buffers across a slow link go
 # in pieces"). On a fast link float32 goes in chunks, one at a time, as the cores set the pace.
 _PIECE_BYTES = 1 << 20
+# The least a test must read from a socket for the long sleeps between tests of a slow link
+# (mpi.NETWORK_SLEEP_LONG_S): 1 ms at 3 Gbit/s brings 375 KB. UCX's own 64 KiB segments left a
+# 1 Gbit/s link at 0.37 of its rate under 1 ms sleeps (BENCHMARKS.md, "A wait that sleeps").
+_LONG_SLEEP_SEGMENT = 1 << 20
 
 
 def _np(t: torch.Tensor):
@@ -79,7 +83,9 @@ class HostBackend:
         self.hierarchical_half = self.hierarchical or (
             "hierarchical_allreduce" not in config.explicit and hierarchy.fits(comms)
         )
-        self.network = comms.spans_hosts  # mpi.allreduce's pace while a backward pass runs
+        self.network = comms.spans_hosts
+        # What one MPI test reads from a socket, where UCX carries the traffic (0: not known).
+        self._segment = mpi_library.ucx_tcp_segment(mpi.library_version()) if self.network else 0
         self.piece_bytes = _PIECE_BYTES  # across hosts (tests set it lower)
         # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
         # link each chunk's collective leaves the link idle at its start and end. So across
@@ -101,6 +107,18 @@ class HostBackend:
         """Whether a buffer that goes whole crosses as pieces of `piece_bytes`, all in flight:
         across hosts with no chunks (the slow link's verdict, or the knob at 0)."""
         return self.network and self.chunk_bytes <= 0
+
+    @property
+    def network_sleep(self) -> float:
+        """mpi.allreduce's longest sleep between tests while no user thread waits: 0 on one host
+        (it yields); across hosts NETWORK_SLEEP_LONG_S once the link was measured slow where a
+        test reads at least a MiB from a socket (it keeps such a link fed, at half the CPU of
+        the short sleeps), else NETWORK_SLEEP_MAX_S."""
+        if not self.network:
+            return 0.0
+        if self._pace.slow and self._segment >= _LONG_SLEEP_SEGMENT:
+            return mpi.NETWORK_SLEEP_LONG_S
+        return mpi.NETWORK_SLEEP_MAX_S
 
     def _wire(self, nbytes: int) -> None:
         """Count `nbytes` of this rank's input handed to a collective, in the width it travels."""
@@ -150,7 +168,7 @@ class HostBackend:
             extra = (self.piece_bytes // recv.itemsize,)
         n = recv.size
         if step <= 0 or n <= step:
-            call(comm, send, recv, op, self.busy, self.network, *extra)
+            call(comm, send, recv, op, self.busy, self.network_sleep, *extra)
             if post != 1.0:
                 scaling.scale_(out, post)
             return
@@ -165,7 +183,7 @@ class HostBackend:
                 recv[lo:hi],
                 op,
                 self.busy,
-                self.network,
+                self.network_sleep,
                 *extra,
             )
             if post != 1.0:
