@@ -15,6 +15,10 @@ from .messages import ReduceOp
 # BENCHMARKS.md, "Chunks across hosts follow the link").
 SLOW_LINK_BYTES_PER_S = 3e9 / 8
 SAMPLES = 3  # chunked reductions timed before the ranks decide
+# The least a test of MPI must read from a socket for the long sleeps between tests of a slow
+# link (1 ms at 3 Gbit/s brings 375 KB): with UCX's own 64 KiB segments 1 ms sleeps ran a
+# 1 Gbit/s link at 0.37 of its rate, with 2 MiB at its rate (BENCHMARKS.md, "A wait that sleeps").
+LONG_SLEEP_SEGMENT = 1 << 20
 
 
 class LinkPace:
@@ -28,6 +32,17 @@ class LinkPace:
         self._left = SAMPLES if measure else 0
         self._best = 0.0
         self.slow: Optional[bool] = None  # the ranks' verdict, once they agreed on one
+
+    def sleep_max(self, segment: int) -> float:
+        """The longest sleep between MPI's tests of a transfer across the link while no user
+        thread waits: mpi.NETWORK_SLEEP_LONG_S once the ranks found the link slow, where a test
+        reads at least LONG_SLEEP_SEGMENT bytes from a socket (`segment`: what UCX's TCP
+        transport reads, mpi_library.ucx_tcp_segment; 0 where unknown); else the short
+        mpi.NETWORK_SLEEP_MAX_S, which a fast link needs (10 Gbit/s, 2 MiB reads: a 23 MB
+        allreduce in 41 ms, as spinning; 44 ms under 250 us sleeps, 71 under 1 ms)."""
+        if self.slow and segment >= LONG_SLEEP_SEGMENT:
+            return mpi.NETWORK_SLEEP_LONG_S
+        return mpi.NETWORK_SLEEP_MAX_S
 
     @property
     def measuring(self) -> bool:

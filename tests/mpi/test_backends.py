@@ -337,14 +337,16 @@ def test_data_allreduce_completes_whether_or_not_a_user_waits():
 def test_data_allreduce_in_pieces_matches_one_collective():
     """mpi.allreduce with `piece` starts one collective per piece, all at once, and gives what
     one collective gives, for MPI's own op and for the 16-bit user-defined op, in place and
-    not, whether a user waits (Waitall) or not (tests between sleeps)."""
+    not, whether a user waits (Waitall) or not (tests between sleeps, short or long)."""
     from mpidp.engine import half
     from mpidp.engine import mpi as mpi_mod
 
     comm = Counting(MPI.COMM_WORLD.Dup())
     sum16 = half.mpi_reduce_op(torch.float16, ReduceOp.SUM)
     bad = []
-    for busy in (None, lambda: False):
+    waits = [(None, 0.0), (lambda: False, mpi_mod.NETWORK_SLEEP_MAX_S)]
+    waits.append((lambda: False, mpi_mod.NETWORK_SLEEP_LONG_S))
+    for busy, sleep in waits:
         for n, piece in ((1, 7), (7, 7), (8, 7), (1000, 7), (3001, 1000), (3001, 0)):
             for dtype, op in ((torch.float32, MPI.SUM), (torch.float16, sum16)):
                 t = values((n,), dtype, RANK)
@@ -354,7 +356,7 @@ def test_data_allreduce_in_pieces_matches_one_collective():
                     got = t.clone()
                     dst = got.view(torch.int16).numpy() if dtype == torch.float16 else got.numpy()
                     comm.calls = 0
-                    mpi_mod.allreduce(comm, None if in_place else buf, dst, op, busy, True, piece)
+                    mpi_mod.allreduce(comm, None if in_place else buf, dst, op, busy, sleep, piece)
                     calls = -(-n // piece) if piece else 1
                     if not torch.equal(got, want) or comm.calls != calls:
                         bad.append((n, piece, str(dtype), in_place, comm.calls, calls))
@@ -464,4 +466,36 @@ def test_a_rendezvous_host_that_does_not_resolve_fails_every_rank_at_once():
             "no-such-host.invalid" in err and "MPIDP_RENDEZVOUS_HOST" in err, f"error {err!r}"
         )
     finally:
+        comms.free()
+
+
+@pytest.mark.mpi
+def test_the_wait_sleeps_only_across_hosts_and_long_only_after_a_slow_verdict():
+    """mpi.allreduce's longest sleep between tests (HostBackend.network_sleep): none on one host
+    (it yields); across hosts the short one until the ranks measured the link, which on one
+    machine's memory they find fast (> 3 Gbit/s), so it stays short whatever UCX's segment."""
+    from mpidp.engine import link, mpi
+
+    comms = Comms(MPI.COMM_WORLD)
+    spread = Comms(MPI.COMM_WORLD, simulated_local_size=1)
+    try:
+        here = HostBackend(comms, _config())
+        assert_all(here.network_sleep == 0.0, f"one host: {here.network_sleep}")
+        cfg = mpidp_config.load(backend="mpi", hierarchical_allreduce=0)  # chunk_bytes unset
+        across = HostBackend(spread, cfg)
+        across.segment = 2 * link.LONG_SLEEP_SEGMENT
+        before = across.network_sleep
+        big = torch.ones(cfg.chunk_bytes // 4 + 1000)  # two chunks: a chunked reduction, timed
+        for k in range(link.SAMPLES):
+            batch, entries = single(f"pace{k}", ALLREDUCE, big.clone())
+            across.execute(batch, entries)
+        after = across.network_sleep
+        want = mpi.NETWORK_SLEEP_MAX_S
+        assert_all(
+            before == want and after == want and across.chunk_bytes > 0,
+            f"across hosts: {before} before the measure, {after} after it "
+            f"(chunk_bytes now {across.chunk_bytes}); want {want} both times, still chunking",
+        )
+    finally:
+        spread.free()
         comms.free()

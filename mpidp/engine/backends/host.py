@@ -32,10 +32,6 @@ from . import hierarchy, parts
 # ranks, 418-542 against 406-416 at 2 x 1 (BENCHMARKS.md, "Whole buffers across a slow link go
 # in pieces"). On a fast link float32 goes in chunks, one at a time, as the cores set the pace.
 _PIECE_BYTES = 1 << 20
-# The least a test must read from a socket for the long sleeps between tests of a slow link
-# (mpi.NETWORK_SLEEP_LONG_S): 1 ms at 3 Gbit/s brings 375 KB. UCX's own 64 KiB segments left a
-# 1 Gbit/s link at 0.37 of its rate under 1 ms sleeps (BENCHMARKS.md, "A wait that sleeps").
-_LONG_SLEEP_SEGMENT = 1 << 20
 
 
 def _np(t: torch.Tensor):
@@ -85,7 +81,7 @@ class HostBackend:
         )
         self.network = comms.spans_hosts
         # What one MPI test reads from a socket, where UCX carries the traffic (0: not known).
-        self._segment = mpi_library.ucx_tcp_segment(mpi.library_version()) if self.network else 0
+        self.segment = mpi_library.ucx_tcp_segment(mpi.library_version()) if self.network else 0
         self.piece_bytes = _PIECE_BYTES  # across hosts (tests set it lower)
         # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
         # link each chunk's collective leaves the link idle at its start and end. So across
@@ -111,14 +107,8 @@ class HostBackend:
     @property
     def network_sleep(self) -> float:
         """mpi.allreduce's longest sleep between tests while no user thread waits: 0 on one host
-        (it yields); across hosts NETWORK_SLEEP_LONG_S once the link was measured slow where a
-        test reads at least a MiB from a socket (it keeps such a link fed, at half the CPU of
-        the short sleeps), else NETWORK_SLEEP_MAX_S."""
-        if not self.network:
-            return 0.0
-        if self._pace.slow and self._segment >= _LONG_SLEEP_SEGMENT:
-            return mpi.NETWORK_SLEEP_LONG_S
-        return mpi.NETWORK_SLEEP_MAX_S
+        (it yields), across hosts what the link's pace allows (link.LinkPace.sleep_max)."""
+        return self._pace.sleep_max(self.segment) if self.network else 0.0
 
     def _wire(self, nbytes: int) -> None:
         """Count `nbytes` of this rank's input handed to a collective, in the width it travels."""
