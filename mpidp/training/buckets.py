@@ -147,14 +147,16 @@ class Bucket:
 
 
 def make_buckets(
-    trained, names, groups, cap: int, apart=None, first_cap: int = 0
+    trained, names, groups, cap: int, apart=None, first_cap: int = 0, last_cap: int = 0
 ) -> List["Bucket"]:
     """Buckets of `trained` parameters: the user's groups as they are; the rest in reverse
     order (gradients become ready roughly from the last layer back, as in DDP), one bucket per
     dtype and device (and value of `apart`, a parameter -> key map, if given) filled up to
     `cap` bytes (0: one parameter per bucket). With `first_cap`, the first bucket of each
     kind closes as soon as it holds `first_cap` bytes (the parameter that reached the mark
-    stays in it)."""
+    stays in it). With `last_cap`, each kind's first parameters, up to the one that reaches
+    `last_cap` bytes, make its last bucket of their own: the gradients the backward pass
+    produces last, whose reduction is all that is left to wait for once it ends."""
     out, loose = [], []
     by_group: Dict[int, List[torch.nn.Parameter]] = {}
     for p in trained:
@@ -165,11 +167,30 @@ def make_buckets(
             by_group.setdefault(gid, []).append(p)
     for grouped in by_group.values():
         out.append(grouped)
+
+    def kind(p) -> tuple:
+        return (p.dtype, p.device, None if apart is None else apart[p])
+
+    tails: Dict[tuple, List] = {}  # each kind's last bucket, with last_cap
+    if cap and last_cap:
+        held: Dict[tuple, int] = {}
+        count: Dict[tuple, int] = {}
+        for p in loose:
+            key = kind(p)
+            count[key] = count.get(key, 0) + 1
+            if held.get(key, 0) < last_cap:
+                tails.setdefault(key, []).append(p)
+                held[key] = held.get(key, 0) + p.numel() * p.element_size()
+        # A kind whose tail would hold all of it keeps its usual buckets.
+        tails = {k: v for k, v in tails.items() if len(v) < count[k]}
+    in_tail = {id(p) for members in tails.values() for p in members}
     open_: Dict[tuple, List] = {}
     firsts: Dict[tuple, List] = {}  # each kind's first bucket
     size: Dict[tuple, int] = {}
     for p in reversed(loose):
-        key = (p.dtype, p.device, None if apart is None else apart[p])
+        if id(p) in in_tail:
+            continue
+        key = kind(p)
         nbytes = p.numel() * p.element_size()
         members = open_.get(key)
         if (
@@ -184,6 +205,14 @@ def make_buckets(
             out.append(members)
         members.append(p)
         size[key] += nbytes
+    for key, members in tails.items():
+        tail = list(reversed(members))
+        left = open_.get(key)
+        if left is not None and left is not firsts[key] and size[key] < last_cap:
+            # A scrap between the buckets before it and it (a bias): joins it.
+            left.extend(tail)
+        else:
+            out.append(tail)
     buckets = []
     for members in out:
         first = names[members[0]]

@@ -176,6 +176,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
             groups,
             config.bucket_bytes,
             first_cap=config.first_bucket_bytes,
+            last_cap=config.last_bucket_bytes,
         )
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [

@@ -653,13 +653,15 @@ def _train(model, steps=3, **opt_kw):
 
 @pytest.mark.mpi
 def test_every_bucket_size_gives_the_same_parameters_bitwise():
-    """One op per parameter, tiny buckets and the default all reduce the same numbers in the same
-    order per element, so the trained parameters are bitwise equal (to 1e-12 over gloo at 3 ranks
-    or more), and equal the reference."""
+    """One op per parameter, tiny buckets, a small last bucket and the default all reduce the
+    same numbers in the same order per element, so the trained parameters are bitwise equal (to
+    1e-12 over gloo at 3 ranks or more), and equal the reference."""
     results, params = [], []
+    cases = [(0, 0, 0), (64, 0, 0), (200, 0, 0), (200, 100, 0), (25 * 1024 * 1024, 1 << 20, 0)]
+    cases.append((25 * 1024 * 1024, 1 << 20, 100))
     try:
-        for cap, first in ((0, 0), (64, 0), (200, 0), (200, 100), (25 * 1024 * 1024, 1 << 20)):
-            run_all(_reinit, bucket_bytes=cap, first_bucket_bytes=first)
+        for cap, first, last in cases:
+            run_all(_reinit, bucket_bytes=cap, first_bucket_bytes=first, last_bucket_bytes=last)
             model = _model()
             opt = _train(model)
             results.append(_checksum(model))
@@ -668,7 +670,8 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
             trained = sum(1 for p in model.parameters() if p.requires_grad)
             assert_all(
                 sum(sizes) == trained and (cap != 0 or max(sizes) == 1),
-                f"bucket_bytes={cap}, first_bucket_bytes={first}: bucket sizes {sizes}",
+                f"bucket_bytes={cap}, first_bucket_bytes={first}, last_bucket_bytes={last}: "
+                f"bucket sizes {sizes}",
             )
     finally:
         run_all(_reinit)
