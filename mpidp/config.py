@@ -8,6 +8,12 @@ from .errors import ConfigError
 
 MiB = 1024 * 1024
 TIMELINE_DYNAMIC = "DYNAMIC"  # timeline_path meaning "no file until start_timeline()"
+# DistributedOptimizer's caps across a link the ranks measured slow, where the bucket knobs are
+# unset (Config.bucket_caps): at 1 Gbit/s, 2 hosts x 1 rank, ResNet-18's fp16 step took 0.84-0.90
+# of the 25 MiB layout's (float32 0.96-0.99), and at 10 Gbit/s 1.04-1.14x, hence only where slow
+# (BENCHMARKS.md, "Finer buckets across a slow link").
+SLOW_LINK_BUCKET_BYTES = 4 * MiB
+SLOW_LINK_LAST_BUCKET_BYTES = 1 * MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +142,9 @@ class Config:
         "A tensor reduced on its own is cut into chunks of this many bytes, each one "
         "collective on a slice in place; 0 means never chunk. Cache-sized chunks run at about "
         "twice the bandwidth of one 64 MB call on one host (BENCHMARKS.md). Unset, a job "
-        "whose ranks span hosts times its first 3 chunked reductions and, if the link moved "
-        "less than 3 Gbit/s (there the network sets the pace, and each chunk's start and end "
-        "leave it idle), reduces large tensors whole from then on (engine/link.py). Across "
+        "whose ranks span hosts times 3 reductions of two chunks when it starts and, if the "
+        "link moved less than 3 Gbit/s (there the network sets the pace, and each chunk's start "
+        "and end leave it idle), reduces large tensors whole (engine/link.py). Across "
         "hosts a tensor that goes whole crosses as 1 MiB pieces all in flight at once, which "
         "UCX sends eagerly over TCP (engine/backends/host.py).",
     )
@@ -157,7 +163,9 @@ class Config:
         25 * MiB,
         "DistributedOptimizer groups gradients, in reverse order of the parameters, into "
         "buckets of at most this many bytes; a bucket is one op (one negotiation, one handle) "
-        "submitted when its last gradient is ready. 0: one op per parameter.",
+        "submitted when its last gradient is ready. 0: one op per parameter. Unset, 4 MiB "
+        "across a link the ranks measured slow (MPIDP_CHUNK_BYTES), where the network waits "
+        "for each bucket.",
     )
     first_bucket_bytes: int = _knob(
         "MPIDP_FIRST_BUCKET_BYTES",
@@ -175,10 +183,10 @@ class Config:
         "DistributedOptimizer's last bucket (the first layers' gradients, the last that the "
         "backward pass produces) holds the first parameters up to the one that reaches this "
         "many bytes, so that little is left to reduce once the backward pass ends. 0: the "
-        "buckets fill up from the last layer back and the last one holds what is left. 0 by "
-        "default: 4 MiB made ResNet-18's fp16 step 4 % faster across a 1 Gbit/s link (2 hosts "
-        "x 1 rank) but its step on one host 1.13-1.16x the best hand-written MPI against "
-        '0.97-1.11 (BENCHMARKS.md, "A wait that sleeps, and UCX\'s TCP segment").',
+        "buckets fill up from the last layer back and the last one holds what is left. Unset, "
+        "0 on one host or a fast link (4 MiB made ResNet-18's step on one host 1.13-1.16x the "
+        'best hand-written MPI against 0.97-1.11; BENCHMARKS.md, "A wait that sleeps, and '
+        "UCX's TCP segment\"), 1 MiB across a link the ranks measured slow (MPIDP_CHUNK_BYTES).",
     )
     overlap: str = _knob(
         "MPIDP_OVERLAP",
@@ -385,6 +393,16 @@ class Config:
         must_agree=False,
     )
     explicit: FrozenSet[str] = frozenset()
+
+    def bucket_caps(self, link_slow: bool) -> Tuple[int, int]:
+        """DistributedOptimizer's (bucket_bytes, last_bucket_bytes): as set, else the finer
+        SLOW_LINK_* caps where the ranks found the link between hosts slow."""
+        cap, last = self.bucket_bytes, self.last_bucket_bytes
+        if link_slow and "bucket_bytes" not in self.explicit:
+            cap = SLOW_LINK_BUCKET_BYTES
+        if link_slow and "last_bucket_bytes" not in self.explicit:
+            last = SLOW_LINK_LAST_BUCKET_BYTES
+        return cap, last
 
     def agreed_items(self) -> Tuple[Tuple[str, object], ...]:
         """The (field, value) pairs every rank must agree on."""

@@ -1,5 +1,6 @@
-"""Whether chunks pay across hosts: the link's pace, measured on the first chunked reductions."""
+"""Whether chunks pay across hosts: the link's pace, measured when the data path is made."""
 
+import time
 from typing import Optional
 
 import numpy as np
@@ -14,7 +15,7 @@ from .messages import ReduceOp
 # pace and cache-sized chunks reduce faster (10 Gbit/s: 0.92-0.98 chunked, 0.6-0.77 whole;
 # BENCHMARKS.md, "Chunks across hosts follow the link").
 SLOW_LINK_BYTES_PER_S = 3e9 / 8
-SAMPLES = 3  # chunked reductions timed before the ranks decide
+SAMPLES = 3  # reductions timed before the ranks decide
 # The least a test of MPI must read from a socket for the long sleeps between tests of a slow
 # link (1 ms at 3 Gbit/s brings 375 KB): with UCX's own 64 KiB segments 1 ms sleeps ran a
 # 1 Gbit/s link at 0.37 of its rate, with 2 MiB at its rate (BENCHMARKS.md, "A wait that sleeps").
@@ -22,15 +23,15 @@ LONG_SLEEP_SEGMENT = 1 << 20
 
 
 class LinkPace:
-    """The pace of the link between hosts, for the host data path's chunking: the ranks time
-    their first SAMPLES chunked reductions, agree on the fastest any rank saw (one small
-    collective, at the same point of the same batches on every rank), and keep chunking only if
-    it is not below SLOW_LINK_BYTES_PER_S."""
+    """The pace of the link between hosts, measured once when the data path is made: the ranks
+    time SAMPLES reductions of a two-chunk buffer (after one untimed, which opens the
+    connections) and agree on the fastest rate any rank saw; below SLOW_LINK_BYTES_PER_S the
+    link is slow (large tensors then go whole in pieces, and the training layer lays out finer
+    buckets: config.Config.bucket_caps)."""
 
     def __init__(self, comm, measure: bool):
         self._comm = comm
-        self._left = SAMPLES if measure else 0
-        self._best = 0.0
+        self._measure = measure
         self.slow: Optional[bool] = None  # the ranks' verdict, once they agreed on one
 
     def sleep_max(self, segment: int) -> float:
@@ -44,26 +45,31 @@ class LinkPace:
             return mpi.NETWORK_SLEEP_LONG_S
         return mpi.NETWORK_SLEEP_MAX_S
 
-    @property
-    def measuring(self) -> bool:
-        """Whether the next chunked reduction is to be timed."""
-        return self._left > 0
-
-    def slow_after(self, nbytes: int, seconds: float) -> bool:
-        """Note a chunked reduction of `nbytes` that took `seconds`; True once the ranks agree
-        that the link is slow (then stop chunking). Synchronization: after the SAMPLES-th, a
-        collective on the data communicator (every rank times the same reductions)."""
-        self._best = max(self._best, nbytes / max(seconds, 1e-9))
-        self._left -= 1
-        if self._left:
+    def measure(self, chunk_bytes: int) -> bool:
+        """Time the link (if this pace was made to) and return whether the ranks found it slow.
+        Synchronization: when measuring, (SAMPLES + 1) x 2 allreduces of `chunk_bytes` and one
+        of 8 bytes on the data communicator, on every rank of it."""
+        if not self._measure:
             return False
-        rate = np.array([self._best])
+        self._measure = False
+        step = max(chunk_bytes // 4, 1)
+        buf = np.zeros(2 * step, dtype=np.float32)
+        op = mpi.mpi_op(ReduceOp.SUM, False)
+        best = 0.0
+        for k in range(SAMPLES + 1):
+            start = time.perf_counter()
+            for lo in range(0, len(buf), step):
+                mpi.allreduce(self._comm, None, buf[lo : lo + step], op)
+            if k:
+                best = max(best, buf.nbytes / max(time.perf_counter() - start, 1e-9))
+        rate = np.array([best])
         mpi.allreduce(self._comm, None, rate, mpi.mpi_op(ReduceOp.MAX, False))
         slow = self.slow = float(rate[0]) < SLOW_LINK_BYTES_PER_S
         logger.info(
             "the link between hosts reduced at %.2f Gbit/s: large tensors go %s",
             rate[0] * 8e-9,
-            "all at once, in pieces (a chunk's start and end would leave it idle)"
+            "all at once, in pieces (a chunk's start and end would leave it idle), and "
+            "DistributedOptimizer's buckets are finer"
             if slow
             else "in chunks, one at a time",
         )

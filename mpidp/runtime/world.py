@@ -343,6 +343,13 @@ def state() -> _State:
     return s
 
 
+def link_slow() -> bool:
+    """Whether the global process set's ranks span hosts over a link they measured slow at
+    init (engine/link.py); False before init. Synchronization: none (agreed at init)."""
+    st = current()
+    return st is not None and st.engine.backend.link_slow
+
+
 def rank() -> int:
     """This process's rank in mpidp's world."""
     return state().comms.rank

@@ -170,13 +170,10 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._frozen = [p for p in live if not p.requires_grad]
         groups = group_ids(self._names, *self._grouping)
         config = world.state().config
+        cap, last_cap = config.bucket_caps(world.link_slow())
+        first_cap = config.first_bucket_bytes
         self._buckets = make_buckets(
-            trained,
-            self._names,
-            groups,
-            config.bucket_bytes,
-            first_cap=config.first_bucket_bytes,
-            last_cap=config.last_bucket_bytes,
+            trained, self._names, groups, cap, first_cap=first_cap, last_cap=last_cap
         )
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._hooks = [

@@ -472,9 +472,9 @@ def test_a_rendezvous_host_that_does_not_resolve_fails_every_rank_at_once():
 @pytest.mark.mpi
 def test_the_wait_sleeps_only_across_hosts_and_long_only_after_a_slow_verdict():
     """mpi.allreduce's longest sleep between tests (HostBackend.network_sleep): none where the
-    ranks share a node (they yield); across nodes the short one until the ranks measured the
-    link, and after it the long one only if they found it slow (chunks then stop), where a test
-    reads a large segment."""
+    ranks share a node (they yield); across nodes the ranks measure the link when the path is
+    made, and the long sleep follows only a slow verdict (chunks then stop), where a test reads
+    a large segment; with chunk_bytes set there is no measure and the short sleep stays."""
     from mpidp.engine import link, mpi
 
     comms = Comms(MPI.COMM_WORLD)
@@ -486,24 +486,48 @@ def test_the_wait_sleeps_only_across_hosts_and_long_only_after_a_slow_verdict():
         cfg = mpidp_config.load(backend="mpi", hierarchical_allreduce=0)  # chunk_bytes unset
         across = HostBackend(spread, cfg)
         across.segment = 2 * link.LONG_SLEEP_SEGMENT
-        before = across.network_sleep
-        big = torch.ones(cfg.chunk_bytes // 4 + 1000)  # two chunks: a chunked reduction, timed
-        for k in range(link.SAMPLES):
-            batch, entries = single(f"pace{k}", ALLREDUCE, big.clone())
-            across.execute(batch, entries)
-        after = across.network_sleep
-        if not spread.spans_hosts:  # one rank: no node but its own
-            want_before = want_after = 0.0
-        elif "chunk_bytes" in cfg.explicit:  # set for the session: no measure
-            want_before = want_after = mpi.NETWORK_SLEEP_MAX_S
-        else:
-            want_before = mpi.NETWORK_SLEEP_MAX_S
-            slow = across.chunk_bytes == 0  # the ranks' verdict
-            want_after = mpi.NETWORK_SLEEP_LONG_S if slow else mpi.NETWORK_SLEEP_MAX_S
+        got = across.network_sleep
+        fixed = HostBackend(spread, mpidp_config.load(backend="mpi", chunk_bytes=cfg.chunk_bytes))
+        fixed.segment = across.segment
+        # A threshold no link reaches: the slow verdict, whatever this machine's link is.
+        threshold, link.SLOW_LINK_BYTES_PER_S = link.SLOW_LINK_BYTES_PER_S, float("inf")
+        try:
+            slowed = HostBackend(spread, cfg)
+        finally:
+            link.SLOW_LINK_BYTES_PER_S = threshold
+        slowed.segment = across.segment
+        multi = spread.spans_hosts and "chunk_bytes" not in cfg.explicit
         assert_all(
-            before == want_before and after == want_after,
-            f"across nodes: {before} before the measure, {after} after it (chunk_bytes now "
-            f"{across.chunk_bytes}); want {want_before} and {want_after}",
+            slowed.link_slow == multi
+            and (slowed.chunk_bytes == 0) == multi
+            and slowed.network_sleep
+            == (
+                mpi.NETWORK_SLEEP_LONG_S
+                if multi
+                else 0.0
+                if not spread.spans_hosts
+                else mpi.NETWORK_SLEEP_MAX_S
+            ),
+            f"a slow verdict: link_slow {slowed.link_slow}, chunk_bytes {slowed.chunk_bytes}, "
+            f"sleep {slowed.network_sleep}",
+        )
+        if not spread.spans_hosts:  # one rank: no node but its own
+            want, want_fixed = 0.0, 0.0
+        elif "chunk_bytes" in cfg.explicit:  # set for the session: no measure
+            want = want_fixed = mpi.NETWORK_SLEEP_MAX_S
+        else:
+            slow = across.chunk_bytes == 0  # the ranks' verdict
+            want = mpi.NETWORK_SLEEP_LONG_S if slow else mpi.NETWORK_SLEEP_MAX_S
+            want_fixed = mpi.NETWORK_SLEEP_MAX_S
+        assert_all(
+            got == want
+            and across.link_slow == (want == mpi.NETWORK_SLEEP_LONG_S)
+            and fixed.network_sleep == want_fixed
+            and not fixed.link_slow
+            and fixed.chunk_bytes == cfg.chunk_bytes,
+            f"across nodes: sleep {got} (chunk_bytes now {across.chunk_bytes}, link_slow "
+            f"{across.link_slow}), want {want}; chunk_bytes set: sleep {fixed.network_sleep}, "
+            f"want {want_fixed}",
         )
     finally:
         spread.free()

@@ -698,6 +698,48 @@ def test_every_bucket_size_gives_the_same_parameters_bitwise():
 
 
 @pytest.mark.mpi
+def test_a_slow_link_gives_finer_buckets_unless_the_knobs_are_set(monkeypatch):
+    """Where the ranks measured the link between hosts slow (world.link_slow), the optimizer
+    lays its buckets out with config's SLOW_LINK_* caps for the bucket knobs left unset, as if
+    they had been set to them, and with the knobs where set; the parameters come out the same."""
+    from mpidp import config as mpidp_config
+    from mpidp.runtime import world
+
+    if {"bucket_bytes", "last_bucket_bytes"} & world.state().config.explicit:
+        pytest.skip("the session sets a bucket knob")
+
+    def layout(opt):
+        return [len(b.params) for b in opt._buckets]
+
+    try:
+        model = _model()
+        plain = layout(_train(model))
+        reference = _checksum(model)
+        run_all(_reinit, bucket_bytes=200, last_bucket_bytes=100)
+        as_set = layout(_train(_model()))
+        run_all(_reinit, bucket_bytes=64, last_bucket_bytes=100)
+        small = layout(_train(_model()))
+        monkeypatch.setattr(mpidp_config, "SLOW_LINK_BUCKET_BYTES", 200)
+        monkeypatch.setattr(mpidp_config, "SLOW_LINK_LAST_BUCKET_BYTES", 100)
+        monkeypatch.setattr(world, "link_slow", lambda: True)
+        run_all(_reinit)
+        model = _model()
+        slow = layout(_train(model))
+        slow_sums = _checksum(model)
+        run_all(_reinit, bucket_bytes=64)
+        slow_set = layout(_train(_model()))
+    finally:
+        monkeypatch.undo()
+        run_all(_reinit)
+    assert_all(
+        slow == as_set != plain and slow_set == small,
+        f"layouts: default {plain}, knobs at the slow caps {as_set}, slow link {slow}; "
+        f"bucket_bytes=64 {small}, and across a slow link {slow_set}",
+    )
+    assert_all(slow_sums == reference, f"parameters: {slow_sums} against {reference}")
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "at_step"])
 def test_overlap_knob_decides_when_buckets_are_submitted(in_backward):
     """overlap=1 submits buckets from the backward pass, overlap=0 none before the step (or

@@ -80,6 +80,11 @@ class Dispatch:
     busy = _Shared("busy")
     stats = _Shared("stats")
 
+    @property
+    def link_slow(self) -> bool:
+        """Whether a host path found the link between hosts slow (HostBackend.link_slow)."""
+        return any(getattr(b, "link_slow", False) for b in self._innermost())
+
     def execute(self, batch: List, entries: List, *fusion_limits) -> list:
         """Run one batch on its device's path. Synchronization: that path's collectives."""
         kind = batch[0].request.device.split(":")[0] if batch[0].request else "cpu"

@@ -10,7 +10,6 @@ Hierarchical allreduce: hierarchy.py. Adasum, whatever the data path: adasum.py.
 """
 
 import math
-import time
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -85,12 +84,14 @@ class HostBackend:
         self.piece_bytes = _PIECE_BYTES  # across hosts (tests set it lower)
         # Chunks pay where a reduction is memory copies that fall out of cache; across a slow
         # link each chunk's collective leaves the link idle at its start and end. So across
-        # hosts, unless the knob is set, the first chunked reductions measure the link.
+        # hosts, unless the knob is set, the ranks measure the link here.
         self.chunk_bytes = config.chunk_bytes
         self._pace = link.LinkPace(
             self.comm,
             self.network and config.chunk_bytes > 0 and "chunk_bytes" not in config.explicit,
         )
+        if self._pace.measure(config.chunk_bytes):
+            self.chunk_bytes = 0
         self.timeline_mark = None  # set by the engine while a timeline records: mark(phase)
         self.busy = None  # set by the engine: busy() is true while a user thread waits
         self.stats = None  # set by the engine: its EngineStats (wire_bytes is counted here)
@@ -109,6 +110,11 @@ class HostBackend:
         """mpi.allreduce's longest sleep between tests while no user thread waits: 0 on one host
         (it yields), across hosts what the link's pace allows (link.LinkPace.sleep_max)."""
         return self._pace.sleep_max(self.segment) if self.network else 0.0
+
+    @property
+    def link_slow(self) -> bool:
+        """Whether the ranks span hosts over a link they measured slow (link.LinkPace)."""
+        return bool(self._pace.slow)
 
     def _wire(self, nbytes: int) -> None:
         """Count `nbytes` of this rank's input handed to a collective, in the width it travels."""
@@ -164,7 +170,6 @@ class HostBackend:
             return
         if post != 1.0:
             out = out.view(-1)  # the chunks below are flat slices
-        start = time.perf_counter() if self._pace.measuring else None
         for lo in range(0, n, step):
             hi = lo + step
             call(
@@ -178,8 +183,6 @@ class HostBackend:
             )
             if post != 1.0:
                 scaling.scale_(out[lo:hi], post)
-        if start is not None and self._pace.slow_after(recv.nbytes, time.perf_counter() - start):
-            self.chunk_bytes = 0
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
         """One tensor reduced on its own, in place when it can be (no copy at all)."""
