@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import link_load  # noqa: E402
 import train_step  # noqa: E402
 from rounds import order as rounds_order  # noqa: E402
 
@@ -75,6 +76,7 @@ MODELS["wide12.6M"] = (wide, lambda b: torch.randn(b, 4096), 4, 10)
 
 CONTENDERS = (
     "no communication",
+    "no communication, link busy",
     "mpidp",
     "mpidp overlap",
     "mpidp no overlap",
@@ -136,6 +138,36 @@ def host_path():
     return mpidp.runtime.world.state().engine.backend.routes["cpu"]
 
 
+class Phased(train_step.Contender):
+    """A step without communication, its forward, backward and update timed apart; with
+    `load` (link_load.LinkLoad), taken while every link carries plain TCP traffic at its rate."""
+
+    def __init__(self, name, model, optimizer, load=None):
+        super().__init__(name, model, optimizer)
+        self.load = load
+        self.phases = []
+
+    def begin(self):
+        if self.load is not None:
+            self.load.on()
+
+    def end(self):
+        if self.load is not None:
+            self.load.off()
+
+    def step(self, x, y):
+        start = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        self.optimizer.step()
+        end = time.perf_counter()
+        self.phases.append((forward - start, backward - forward, end - backward))
+        return end - start
+
+
 class Hierarchical(train_step.Contender):
     """The default optimizer, its steps taken with the engine's host path hierarchical."""
 
@@ -148,7 +180,7 @@ class Hierarchical(train_step.Contender):
             path.hierarchical = False
 
 
-def contenders(build, comm, hierarchical):
+def contenders(build, comm, hierarchical, load):
     import torch.distributed as dist
     from mpi4py import MPI
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -167,7 +199,10 @@ def contenders(build, comm, hierarchical):
 
     out = []
     m = copy.deepcopy(base)
-    out.append(train_step.Contender("no communication", m, sgd(m)))
+    out.append(Phased("no communication", m, sgd(m)))
+    if load is not None:
+        m = copy.deepcopy(base)
+        out.append(Phased("no communication, link busy", m, sgd(m), load))
     m = copy.deepcopy(base)
     default = dist_opt(m)
     out.append(train_step.Contender("mpidp", m, default))
@@ -213,9 +248,9 @@ def contenders(build, comm, hierarchical):
     return out, sizes, last
 
 
-def bench_model(name, comm, rounds, steps, hierarchical):
+def bench_model(name, comm, rounds, steps, hierarchical, load=None):
     build, make_input, batch, classes = MODELS[name]
-    runners, buckets, last = contenders(build, comm, hierarchical)
+    runners, buckets, last = contenders(build, comm, hierarchical, load)
     g = torch.Generator().manual_seed(comm.rank)
     x, y = make_input(batch), torch.randint(0, classes, (batch,), generator=g)
     for c in runners:  # warm-up: allocator, caches, mpidp's response cache, DDP's buckets
@@ -225,27 +260,41 @@ def bench_model(name, comm, rounds, steps, hierarchical):
             c.optimizer, "overlap_settled", lambda: True
         )
         done = 0
+        getattr(c, "begin", lambda: None)()
         while done < 2 or not settled():
             comm.Barrier()
             c.step(x, y)
             done += 1
+        getattr(c, "end", lambda: None)()
+        if isinstance(c, Phased):
+            c.phases.clear()
     for r in range(rounds):
         # A new order each round, the same on every rank: a contender's time depends on the one
         # before it (the one after "no communication" ran ~5 % slower, whichever it was), and a
         # rotation keeps every contender behind the same neighbour.
         order = rounds_order(runners, r)
         for c in order:
+            getattr(c, "begin", lambda: None)()
             for _ in range(steps):
                 comm.Barrier()
                 c.times.append(c.step(x, y))
+            getattr(c, "end", lambda: None)()
     med = {c.name: statistics.median(c.times) for c in runners}
     # The slowest rank sets the pace: each contender's largest median over the ranks.
     med = {k: max(v) for k, v in zip(med, zip(*comm.allgather(list(med.values()))))}
     # Every step of every rank, in the order taken: slow steps show here, not in a median.
     samples = comm.gather({c.name: c.times for c in runners})
     params = list(build().parameters())
+    # Forward, backward and update of the steps without communication: each phase's median,
+    # the slowest rank's.
+    phases = {}
+    for c in runners:
+        if isinstance(c, Phased):
+            mine = [statistics.median(p[k] for p in c.phases) for k in range(3)]
+            phases[c.name] = [max(v) for v in zip(*comm.allgather(mine))]
     return {
         "step_s": med,
+        "phases_s": phases,
         # The mode each mpidp contender ran in after its warm-up (True: overlapped), per rank.
         "overlap": {
             c.name: comm.allgather(c.optimizer._overlap)
@@ -273,6 +322,20 @@ def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
     )
     t_last = ring * scale * row[last_key] / bytes_per_s
     return t_comm, max(t_c, t_comm - t_last) + t_last, t_c + t_comm
+
+
+def floors(row, n, rate_bit, delay_s):
+    """(fp32, fp16) floors of the step (link_load.floor) from the phases of the steps without
+    communication, alone and under link load; None where the row has no loaded steps."""
+    phases = row.get("phases_s", {})
+    if "no communication, link busy" not in phases:
+        return None
+    fwd, bwd, upd = phases["no communication"]
+    bwd_loaded = phases["no communication, link busy"][1]
+    return tuple(
+        link_load.floor(fwd, bwd, bwd_loaded, upd, limits(row, n, rate_bit, delay_s, half)[0])
+        for half in (False, True)
+    )
 
 
 def slow_steps(row, name):
@@ -322,6 +385,23 @@ def report(result, file=sys.stdout):
             )
             p(f"  mpidp / t_limit                  {ours / t_limit:9.3f}   (goal <= 1.10)")
             p(f"  mpidp fp16 / fp16 t_limit        {med['mpidp fp16'] / h_limit:9.3f}")
+            floor = floors(row, n, rate, delay)
+            if floor:
+                fwd, bwd, upd = row["phases_s"]["no communication"]
+                loaded = row["phases_s"]["no communication, link busy"][1]
+                p(
+                    f"  backward alone / link busy       {bwd * 1e3:.1f} / {loaded * 1e3:.1f} "
+                    f"(forward {fwd * 1e3:.1f}, update {upd * 1e3:.1f})"
+                )
+                p(
+                    f"  floor fp32 / fp16                {floor[0] * 1e3:.1f} / "
+                    f"{floor[1] * 1e3:.1f}"
+                    f"   fp16 / fp32 at the floor {floor[1] / floor[0]:.3f}"
+                )
+                p(
+                    f"  mpidp / floor, fp16 / floor      {ours / floor[0]:9.3f} / "
+                    f"{med['mpidp fp16'] / floor[1]:.3f}"
+                )
         p(
             f"  mpidp fp16 / mpidp               {med['mpidp fp16'] / ours:9.3f}   (goal <= 0.60 "
             f"where network-bound)"
@@ -378,8 +458,16 @@ def run(args):
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "models": {},
     }
+    load = None
+    if hosts > 1:
+        names = comm.allgather(socket.gethostname())
+        load = link_load.LinkLoad(comm, own_address()[0], names)
     for name in args.models.split(","):
-        result["models"][name] = bench_model(name, comm, args.rounds, args.steps, hierarchical)
+        result["models"][name] = bench_model(
+            name, comm, args.rounds, args.steps, hierarchical, load
+        )
+    if load is not None:
+        load.close()
     if comm.rank == 0:
         report(result)
         if args.json:
@@ -421,6 +509,11 @@ def summarize(paths, plot):
                 }
                 if rate:
                     got["mpidp/t_limit"] = s["mpidp"] / limits(row, n, rate, delay)[1]
+                    floor = floors(row, n, rate, delay)
+                    if floor:
+                        got["floor fp16/fp32"] = floor[1] / floor[0]
+                        got["mpidp/floor"] = s["mpidp"] / floor[0]
+                        got["fp16/fp16 floor"] = s["mpidp fp16"] / floor[1]
                 if "mpidp hierarchical" in s:
                     got["hier/mpidp"] = s["mpidp hierarchical"] / s["mpidp"]
                 if "DDP (mpidp)" in s:
