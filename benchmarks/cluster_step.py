@@ -332,10 +332,13 @@ def floors(row, n, rate_bit, delay_s):
         return None
     fwd, bwd, upd = phases["no communication"]
     bwd_loaded = phases["no communication, link busy"][1]
-    return tuple(
-        link_load.floor(fwd, bwd, bwd_loaded, upd, limits(row, n, rate_bit, delay_s, half)[0])
-        for half in (False, True)
-    )
+    out = []
+    for half in (False, True):
+        t_comm = limits(row, n, rate_bit, delay_s, half)[0]
+        scale = 2.0 * (n - 1) / n * (0.5 if half else 1.0)
+        t_last = scale * row["last_tensor_bytes"] * 8 / rate_bit
+        out.append(link_load.floor(fwd, bwd, bwd_loaded, upd, t_comm, t_last))
+    return tuple(out)
 
 
 def slow_steps(row, name):

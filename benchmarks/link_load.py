@@ -87,11 +87,13 @@ class LinkLoad:
                 s.close()
 
 
-def floor(forward, backward, backward_loaded, update, t_comm):
-    """The least step time with `t_comm` seconds of link traffic: nothing crosses before the
-    backward pass produces gradients, and the update waits for the last of them, so forward
-    and update run with the link idle; while the link is busy the backward pass runs at the
-    speed it had under LinkLoad (backward / backward_loaded), the rest of it at full speed:
-    forward + update + max(t_comm, backward + t_comm * (1 - speed))."""
+def floor(forward, backward, backward_loaded, update, t_comm, t_last=0.0):
+    """The least step time with `t_comm` seconds of link traffic, `t_last` of them the transfer
+    of the gradient the backward pass produces last: nothing crosses before the backward pass
+    produces gradients, the last one only after it ends, and the update waits for it, so
+    forward and update run with the link idle; while the link is busy the backward pass runs at
+    the speed it had under LinkLoad (backward / backward_loaded), the rest of it at full speed:
+    forward + update + max(t_comm, backward + (t_comm - t_last) * (1 - speed) + t_last)."""
     speed = backward / backward_loaded if backward_loaded > 0 else 1.0
-    return forward + update + max(t_comm, backward + t_comm * (1.0 - speed))
+    early = t_comm - t_last
+    return forward + update + max(t_comm, backward + early * (1.0 - speed) + t_last)

@@ -247,8 +247,8 @@ def test_through_mpidp_ops():
 def test_auto_overlap_across_hosts_without_a_trial_needs_a_spare_core(monkeypatch, cores):
     """Across hosts with the timed trial off (MPIDP_OVERLAP_TRIAL_STEPS=0; the trial itself:
     test_optimizer.py), `auto` overlaps only where a rank has a core to spare beside torch's
-    threads, as on one host, whatever the link: the engine's measure of the link (its first
-    chunked reductions) changes how large tensors are cut, not the overlap."""
+    threads, as on one host, whatever the link: the engine's measure of the link (it times the
+    link when it starts) changes how large tensors are cut and the buckets, not the overlap."""
     from mpidp.engine import link
     from mpidp.training import overlap
 
