@@ -8,10 +8,8 @@ from .errors import ConfigError
 
 MiB = 1024 * 1024
 TIMELINE_DYNAMIC = "DYNAMIC"  # timeline_path meaning "no file until start_timeline()"
-# DistributedOptimizer's caps across a link the ranks measured slow, where the bucket knobs are
-# unset (Config.bucket_caps): at 1 Gbit/s, 2 hosts x 1 rank, ResNet-18's fp16 step took 0.84-0.90
-# of the 25 MiB layout's (float32 0.96-0.99), and at 10 Gbit/s 1.04-1.14x, hence only where slow
-# (BENCHMARKS.md, "Finer buckets across a slow link").
+# The bucket knobs' values across a link the ranks measured slow, where unset (training/buckets.py
+# bucket_caps; BENCHMARKS.md, "Finer buckets across a slow link").
 SLOW_LINK_BUCKET_BYTES = 4 * MiB
 SLOW_LINK_LAST_BUCKET_BYTES = 1 * MiB
 
@@ -393,16 +391,6 @@ class Config:
         must_agree=False,
     )
     explicit: FrozenSet[str] = frozenset()
-
-    def bucket_caps(self, link_slow: bool) -> Tuple[int, int]:
-        """DistributedOptimizer's (bucket_bytes, last_bucket_bytes): as set, else the finer
-        SLOW_LINK_* caps where the ranks found the link between hosts slow."""
-        cap, last = self.bucket_bytes, self.last_bucket_bytes
-        if link_slow and "bucket_bytes" not in self.explicit:
-            cap = SLOW_LINK_BUCKET_BYTES
-        if link_slow and "last_bucket_bytes" not in self.explicit:
-            last = SLOW_LINK_LAST_BUCKET_BYTES
-        return cap, last
 
     def agreed_items(self) -> Tuple[Tuple[str, object], ...]:
         """The (field, value) pairs every rank must agree on."""

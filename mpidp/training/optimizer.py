@@ -14,7 +14,7 @@ from ..ops.sparse import SparseGradients
 from ..runtime import world
 from ..runtime.process_sets import is_outside, member_of
 from . import gradients, overlap, pass_guard, wrapped
-from .buckets import Bucket, claim, group_ids, make_buckets, named, release
+from .buckets import Bucket, bucket_caps, claim, group_ids, make_buckets, named, release
 from .closure import reduced as reduced_closure
 from .step_state import Phase, StepState
 
@@ -170,7 +170,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._frozen = [p for p in live if not p.requires_grad]
         groups = group_ids(self._names, *self._grouping)
         config = world.state().config
-        cap, last_cap = config.bucket_caps(world.link_slow())
+        cap, last_cap = bucket_caps(config, world.link_slow())
         first_cap = config.first_bucket_bytes
         self._buckets = make_buckets(
             trained, self._names, groups, cap, first_cap=first_cap, last_cap=last_cap

@@ -99,3 +99,21 @@ def test_each_kind_of_parameter_has_its_own_last_bucket():
     # float32: the first parameter's 40 bytes reach the mark; float64: 240 bytes do.
     f32, f64 = torch.float32, torch.float64
     assert kinds == [(f32, [50, 20]), (f64, [40]), (f32, [10]), (f64, [30])]
+
+
+def test_a_slow_link_sets_the_bucket_caps_left_unset():
+    """buckets.bucket_caps: the knobs as they are on a fast link or one host; across a slow
+    link the SLOW_LINK_* caps for each knob not set, the knob's value where set."""
+    from mpidp import config as cfgmod
+    from mpidp.training.buckets import bucket_caps
+
+    plain = cfgmod.load(env={})
+    assert bucket_caps(plain, False) == (plain.bucket_bytes, plain.last_bucket_bytes)
+    assert bucket_caps(plain, True) == (
+        cfgmod.SLOW_LINK_BUCKET_BYTES,
+        cfgmod.SLOW_LINK_LAST_BUCKET_BYTES,
+    )
+    one = cfgmod.load(env={"MPIDP_BUCKET_BYTES": "123"})
+    assert bucket_caps(one, True) == (123, cfgmod.SLOW_LINK_LAST_BUCKET_BYTES)
+    both = cfgmod.load(env={}, bucket_bytes=0, last_bucket_bytes=0)
+    assert bucket_caps(both, True) == (0, 0)

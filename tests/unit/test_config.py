@@ -391,20 +391,3 @@ def test_launcher_variables_are_covered_by_the_prefixes():
         for var in (k.env, k.horovod)
         if var
     )
-
-
-def test_a_slow_link_sets_the_bucket_caps_left_unset():
-    """Config.bucket_caps: the knobs as they are on a fast link or one host; across a slow
-    link the SLOW_LINK_* caps for each knob not set, the knob's value where set."""
-    from mpidp import config as cfgmod
-
-    plain = cfgmod.load(env={})
-    assert plain.bucket_caps(False) == (plain.bucket_bytes, plain.last_bucket_bytes)
-    assert plain.bucket_caps(True) == (
-        cfgmod.SLOW_LINK_BUCKET_BYTES,
-        cfgmod.SLOW_LINK_LAST_BUCKET_BYTES,
-    )
-    one = cfgmod.load(env={"MPIDP_BUCKET_BYTES": "123"})
-    assert one.bucket_caps(True) == (123, cfgmod.SLOW_LINK_LAST_BUCKET_BYTES)
-    both = cfgmod.load(env={}, bucket_bytes=0, last_bucket_bytes=0)
-    assert both.bucket_caps(True) == (0, 0)
