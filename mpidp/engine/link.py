@@ -27,9 +27,9 @@ class LinkPace:
     """The pace of the link between hosts, measured once when the data path is made: the ranks
     time SAMPLES reductions of a two-chunk buffer (after one untimed, which opens the
     connections; unless a first look at a small one found the link far below the mark) and
-    agree on the fastest rate any rank saw; below SLOW_LINK_BYTES_PER_S the
-    link is slow (large tensors then go whole in pieces, and the training layer lays out finer
-    buckets: training/buckets.py bucket_caps)."""
+    agree on the fastest rate any rank saw. Below SLOW_LINK_BYTES_PER_S the link is slow: large
+    tensors then go whole in pieces, and the training layer lays out finer buckets
+    (training/buckets.py bucket_caps)."""
 
     def __init__(self, comm, measure: bool):
         self._comm = comm
