@@ -309,18 +309,21 @@ def bench_model(name, comm, rounds, steps, hierarchical, load=None):
     }
 
 
+def transfer(nbytes, n, rate_bit, half=False):
+    """Seconds each host's link needs for an allreduce of `nbytes` (fp32) over n hosts:
+    2(n-1)/n of them, half as many as fp16."""
+    return 2.0 * (n - 1) / n * (0.5 if half else 1.0) * nbytes * 8.0 / rate_bit
+
+
 def limits(row, n, rate_bit, delay_s, half=False, last_key="last_tensor_bytes"):
     """t_comm, t_limit and t_serial (s) of one model's row over n hosts; fp16 halves the bytes;
     last_key "last_bucket_bytes" takes mpidp's bucket instead of the last gradient alone."""
-    scale = 0.5 if half else 1.0
-    ring = 2.0 * (n - 1) / n
-    bytes_per_s = rate_bit / 8.0
     t_c = row["step_s"]["no communication"]
     t_comm = (
-        ring * scale * row["grad_bytes"] / bytes_per_s
+        transfer(row["grad_bytes"], n, rate_bit, half)
         + len(row["bucket_bytes"]) * 2 * (n - 1) * delay_s
     )
-    t_last = ring * scale * row[last_key] / bytes_per_s
+    t_last = transfer(row[last_key], n, rate_bit, half)
     return t_comm, max(t_c, t_comm - t_last) + t_last, t_c + t_comm
 
 
@@ -335,8 +338,7 @@ def floors(row, n, rate_bit, delay_s):
     out = []
     for half in (False, True):
         t_comm = limits(row, n, rate_bit, delay_s, half)[0]
-        scale = 2.0 * (n - 1) / n * (0.5 if half else 1.0)
-        t_last = scale * row["last_tensor_bytes"] * 8 / rate_bit
+        t_last = transfer(row["last_tensor_bytes"], n, rate_bit, half)
         out.append(link_load.floor(fwd, bwd, bwd_loaded, upd, t_comm, t_last))
     return tuple(out)
 
