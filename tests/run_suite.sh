@@ -170,7 +170,7 @@ VARIANT_TESTS="${VARIANT_TESTS:-tests/mpi/test_allreduce.py tests/mpi/test_other
 tests/mpi/test_async_order.py tests/mpi/test_mismatch.py tests/mpi/test_join_barrier.py \
 tests/mpi/test_autograd.py tests/mpi/test_optimizer.py tests/mpi/test_process_sets.py \
 tests/mpi/test_backends.py tests/mpi/test_hierarchical.py tests/mpi/test_into_output.py \
-tests/mpi/test_sharded.py}"
+tests/mpi/test_sharded.py tests/mpi/test_wire_cast.py}"
 
 # Hierarchical allreduce changes the host path's allreduce and nothing else. These files move
 # their data by reduce-scatter and allgather (the sharded optimizer, the into-output ops), which

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from . import band as layout
-from . import mpi, scaling
+from . import dtypes, mpi, scaling
 from .backends.host import HostBackend
 from .messages import OpType, ReduceOp
 
@@ -66,6 +66,7 @@ def plan(route, req, t: torch.Tensor, size: int) -> Lane:
         or route.hierarchical
         or t.device.type != "cpu"
         or t.dtype not in _PLAIN
+        or dtypes.NAMES[t.dtype] != req.dtype  # it travels cast (a narrower wire)
         or req.prescale != 1.0
         or req.reduce_op == ReduceOp.ADASUM
     ):

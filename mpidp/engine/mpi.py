@@ -331,6 +331,8 @@ def allreduce(
     busy=None,
     network: float = 0.0,
     piece: int = 0,
+    fill=None,
+    drain=None,
 ) -> None:
     """Allreduce into `recv`; `send=None` means in place.
 
@@ -346,31 +348,45 @@ def allreduce(
     Wait costs what Allreduce does from 4 B to 16 MB (BENCHMARKS.md). With `piece` > 0 a buffer
     longer than `piece` elements goes as one Iallreduce per `piece` elements, all started at
     once and waited together (every rank must pass the same `piece`: the collectives match in
-    order). Synchronization: one or more collectives on `comm`.
+    order). `fill(lo, hi)`, if given, writes elements lo:hi of `recv` just before their piece
+    starts, and `drain(lo, hi)` reads them as soon as their piece is done, in order, while the
+    later pieces are still in flight (in place only). Synchronization: one or more collectives
+    on `comm`.
     """
-    if piece > 0 and len(cast(np.ndarray, recv)) > piece:
+    if piece > 0 and (fill is not None or len(cast(np.ndarray, recv)) > piece):
         src, dst = cast(Optional[np.ndarray], send), cast(np.ndarray, recv)
-        requests = [
-            comm.Iallreduce(
-                MPI.IN_PLACE if src is None else src[lo : lo + piece], dst[lo : lo + piece], op=op
+        n = len(dst)
+        bounds = [(lo, min(lo + piece, n)) for lo in range(0, n, piece)]
+        requests = []
+        for lo, hi in bounds:
+            if fill is not None:
+                fill(lo, hi)
+            requests.append(
+                comm.Iallreduce(MPI.IN_PLACE if src is None else src[lo:hi], dst[lo:hi], op=op)
             )
-            for lo in range(0, len(dst), piece)
-        ]
-        if busy is None or busy():
-            MPI.Request.Waitall(requests)
-        else:
-            _paced(
-                lambda: MPI.Request.Testall(requests),
-                lambda: MPI.Request.Waitall(requests),
-                busy,
-                network,
-            )
+        if drain is not None:
+            for request, (lo, hi) in zip(requests, bounds):
+                _done(request.Test, request.Wait, busy, network)
+                drain(lo, hi)
+            return
+        _done(
+            lambda: MPI.Request.Testall(requests),
+            lambda: MPI.Request.Waitall(requests),
+            busy,
+            network,
+        )
         return
     request = comm.Iallreduce(MPI.IN_PLACE if send is None else send, recv, op=op)
+    _done(request.Test, request.Wait, busy, network)
+
+
+def _done(test, wait, busy, network: float) -> None:
+    """Complete what `test()`/`wait()` poll and wait for: the blocking wait where no `busy()`
+    is given or a user thread waits, else _paced."""
     if busy is None or busy():
-        request.Wait()
-        return
-    _paced(request.Test, request.Wait, busy, network)
+        wait()
+    else:
+        _paced(test, wait, busy, network)
 
 
 def _paced(done, finish, busy, network: float) -> None:

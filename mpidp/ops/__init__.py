@@ -10,6 +10,7 @@ from .allreduce_ops import (
     allreduce_async,
     allreduce_async_,
     bucket_allreduce_async_,
+    cast_allreduce_async_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "bucket_allreduce_async_",
+    "cast_allreduce_async_",
     "first_result",
     "grouped_allgather_async",
     "grouped_allreduce_async",

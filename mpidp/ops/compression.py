@@ -1,5 +1,7 @@
 """Gradient compression: cast floating tensors to 16 bits for the wire and back afterwards."""
 
+from typing import Optional
+
 import torch
 
 
@@ -19,6 +21,13 @@ class Compressor:
         """`out` <- decompress(tensor, ctx): where a reduced gradient goes back into `.grad`.
         A compressor without this method gets the same through decompress() and a copy."""
         out.copy_(cls.decompress(tensor, ctx))
+
+    @classmethod
+    def wire_dtype(cls, tensor) -> Optional[torch.dtype]:
+        """The dtype the data path may cast `tensor` to on its way and back, in place of
+        compress() and decompress() (ops.cast_allreduce_async_, which casts piece by piece
+        while the other pieces travel); None where those two must run."""
+        return None
 
 
 class NoneCompressor(Compressor):
@@ -43,6 +52,16 @@ class _CastCompressor(Compressor):
         # copy_ casts on the way: one pass over the gradient, where to() and a copy take two
         # and a temporary (ResNet-18's gradients: 3.6 against 7.2 ms).
         out.copy_(tensor)
+
+    @classmethod
+    def wire_dtype(cls, tensor) -> Optional[torch.dtype]:
+        # The same cast as compress(), unless a subclass made compress or decompress its own.
+        for name in ("compress", "decompress"):
+            if next(k for k in cls.__mro__ if name in vars(k)) is not _CastCompressor:
+                return None
+        if tensor.is_floating_point() and tensor.dtype != cls.wire:
+            return cls.wire
+        return None
 
 
 class FP16Compressor(_CastCompressor):

@@ -159,11 +159,14 @@ def op_name(name: Optional[str], what: str):
     return name, True
 
 
-def request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=1.0, root=-1):
+def request(
+    name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=1.0, root=-1, wire=None
+):
+    """The request of an op on `tensor`; `wire`: the dtype it travels in, if not its own."""
     return Request(
         name,
         int(op),
-        _DTYPE_NAMES[tensor.dtype],
+        _DTYPE_NAMES[tensor.dtype if wire is None else wire],
         tuple(tensor.shape),
         str(tensor.device),
         int(reduce_op),
@@ -174,16 +177,17 @@ def request(name, cacheable, op, tensor, reduce_op=ReduceOp.SUM, pre=1.0, post=1
     )
 
 
-def parts_request(name, cacheable, tensors, reduce_op, pre, post) -> Request:
+def parts_request(name, cacheable, tensors, reduce_op, pre, post, wire=None) -> Request:
     """The request of one allreduce op over several tensors of one dtype and device (a plain
-    single-tensor request for one, which may then be fused with other small ops)."""
+    single-tensor request for one, which may then be fused with other small ops); `wire`: the
+    dtype they travel in, if not their own."""
     first = tensors[0]
     if len(tensors) == 1:
-        return request(name, cacheable, OpType.ALLREDUCE, first, reduce_op, pre, post)
+        return request(name, cacheable, OpType.ALLREDUCE, first, reduce_op, pre, post, wire=wire)
     return Request(
         name,
         int(OpType.ALLREDUCE),
-        _DTYPE_NAMES[first.dtype],
+        _DTYPE_NAMES[first.dtype if wire is None else wire],
         (sum(t.numel() for t in tensors),),
         str(first.device),
         int(reduce_op),

@@ -92,6 +92,7 @@ class Bucket:
         "request",
         "cache_key",
         "dtype",
+        "wire",
         "shapes",
         "dense",
         "sparse",
@@ -109,7 +110,7 @@ class Bucket:
         self.wires: Sequence = ()  # the dense gradients as submitted, and their contexts
         self.ctxs: Sequence = ()
         # Kept from the first submission, reused while the gradients still fit them.
-        self.request = self.cache_key = self.dtype = None
+        self.request = self.cache_key = self.dtype = self.wire = None
         self.shapes: Optional[list] = None
 
     def clear(self) -> None:
@@ -118,33 +119,33 @@ class Bucket:
         self.handle, self.ready, self.wires, self.ctxs = None, 0, (), ()
         self.submitted, self.dense, self.sparse = False, [], []
 
-    def start(self, wires, op, pre: float, post: float, process_set, keep: bool) -> None:
-        """Hand the dense gradients `wires` to the engine as one op (`handle`). The first time
-        it goes through the checked path, and with `keep` its request is kept and reused while
-        the gradients still fit it (a parameter resized in place, as pruning does, needs a new
-        one); a bucket of several dtypes always goes the checked way."""
+    def start(self, wires, op, pre: float, post: float, process_set, keep: bool, wire=None) -> None:
+        """Hand the dense gradients `wires` to the engine as one op (`handle`), travelling as
+        `wire` (a dtype the data path casts them to, ops.cast_allreduce_async_) if given. The
+        first time it goes through the checked path, and with `keep` its request is kept and
+        reused while the gradients still fit it (a parameter resized in place, as pruning does,
+        needs a new one); a bucket of several dtypes always goes the checked way."""
         req = self.request
         if (
             keep
             and req is not None
+            and self.wire is wire
             and all(
                 w.dtype is self.dtype and w.shape == shape for w, shape in zip(wires, self.shapes)
             )
         ):
             self.handle = ops.bucket_allreduce_async_(req, wires, process_set, self.cache_key)
             return
-        self.handle = ops.grouped_allreduce_async_(
-            wires,
-            name=self.name,
-            op=op,
-            prescale_factor=pre,
-            postscale_factor=post,
-            process_set=process_set,
-        )
+        kw = dict(name=self.name, op=op, prescale_factor=pre, postscale_factor=post)
+        if wire is not None:
+            self.handle = ops.cast_allreduce_async_(wires, wire, process_set=process_set, **kw)
+        else:
+            self.handle = ops.grouped_allreduce_async_(wires, process_set=process_set, **kw)
         members = world.state().handles.members(self.handle)
         if keep and len(members) == 1:
             self.request, self.cache_key = members[0].request, members[0].cache_key
             self.dtype, self.shapes = wires[0].dtype, [w.shape for w in wires]
+            self.wire = wire
 
 
 def bucket_caps(config, link_slow: bool) -> Tuple[int, int]:

@@ -1,8 +1,11 @@
 """A bucket's gradients on their way: to the reduction ops, and back into each parameter's .grad."""
 
+from typing import Optional
+
 import torch
 
 from .. import ops
+from ..engine.messages import ReduceOp
 from ..ops.sparse import sparse_allreduce_async
 from .buckets import Bucket
 
@@ -41,9 +44,15 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
     if not dense:
         bucket.wires = bucket.ctxs = ()
         return
+    grads = [grad_of(p, is_sparse) for p in dense]
+    cast = wire_dtype(compression, grads, op)
+    if cast is not None:  # the data path casts them, piece by piece, while pieces travel
+        bucket.wires, bucket.ctxs = grads, [None] * len(grads)
+        bucket.start(grads, op, pre, post, ps, keep=not sparse, wire=cast)
+        return
     wires, ctxs = [], []
-    for p in dense:
-        wire, ctx = compression.compress(grad_of(p, is_sparse))
+    for grad in grads:
+        wire, ctx = compression.compress(grad)
         if not wire.is_contiguous():  # channels_last or transposed: reduce a packed copy
             wire = wire.contiguous()  # (collect() copies the result back into p.grad)
         wires.append(wire)
@@ -51,6 +60,20 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
     bucket.wires, bucket.ctxs = wires, ctxs
     # A bucket op covering only some parameters has no kept request.
     bucket.start(wires, op, pre, post, ps, keep=not sparse)
+
+
+def wire_dtype(compression, grads, op) -> Optional[torch.dtype]:
+    """The dtype the data path may cast `grads` to for the wire in place of `compression`'s
+    compress and decompress (Compressor.wire_dtype): where it names one for all of them, of one
+    dtype and contiguous, and the op reduces values (not Adasum); else None."""
+    ask = getattr(compression, "wire_dtype", None)  # Horovod's compressors lack it
+    if ask is None or op == ReduceOp.ADASUM:
+        return None
+    first = grads[0]
+    wire = ask(first)
+    if wire is None or any(g.dtype is not first.dtype or not g.is_contiguous() for g in grads):
+        return None
+    return wire
 
 
 def collect(bucket: Bucket, compression, kinds) -> None:

@@ -2,10 +2,19 @@
 
 import torch
 
+from mpidp import config as mpidp_config
 from mpidp.engine.messages import OpType, ReduceOp, Request, Response
 from mpidp.engine.tensor_queue import Entry
 
 REDUCE_OPS = [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]
+
+
+def host_config(**kw):
+    """The flat MPI reference whatever the session's variables say, with small chunks (256 B)
+    to cover chunking; `kw` overrides."""
+    base = dict(backend="mpi", hierarchical_allreduce=0, simulated_local_size=0, chunk_bytes=256)
+    base.update(kw)
+    return mpidp_config.load(**base)
 
 
 def values(shape, dtype, rank, salt=0):

@@ -13,6 +13,7 @@ from backend_util import (
     Counting,
     bucket,
     fused,
+    host_config,
     run_both,
     same,
     single,
@@ -33,20 +34,13 @@ RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
-def _config(**kw):
-    # Flat MPI reference whatever the session's variables say; small chunks to cover chunking.
-    base = dict(backend="mpi", hierarchical_allreduce=0, simulated_local_size=0, chunk_bytes=256)
-    base.update(kw)
-    return mpidp_config.load(**base)
-
-
 @pytest.fixture(scope="module")
 def paths():
     """Host MPI backend, gloo adapter (through make_backend) and staged twin, on fresh Comms."""
     comms = Comms(MPI.COMM_WORLD)
-    host = HostBackend(comms, _config())
-    gloo = run_all(make_backend, comms, _config(backend="gloo"))
-    staged = StagedBackend(HostBackend(comms, _config()), pin_memory=False)
+    host = HostBackend(comms, host_config())
+    gloo = run_all(make_backend, comms, host_config(backend="gloo"))
+    staged = StagedBackend(HostBackend(comms, host_config()), pin_memory=False)
     yield {"host": host, "gloo": gloo, "staged": staged}
     gloo.close()
     comms.free()
@@ -372,7 +366,7 @@ def test_16_bit_floats_across_hosts_go_in_pieces_with_the_host_result(paths, dty
     says why): the results equal the one-collective host path's, chunks and pieces together."""
     comms = Comms(MPI.COMM_WORLD)
     try:
-        pieced = HostBackend(comms, _config())
+        pieced = HostBackend(comms, host_config())
         pieced.network, pieced.piece_bytes = True, 16  # 8 elements a piece
         pieced.comm = counting = Counting(pieced.comm)
         for shape in [(), (5,), (9,), (3, 40), (300,)]:  # (300,): 600 bytes, past a 256 B chunk
@@ -399,7 +393,7 @@ def test_whole_buffers_across_hosts_go_in_pieces_and_chunks_do_not(paths, dtype,
             (0, -(-300 * dtype.itemsize // 32)),
             (256, -(-300 * dtype.itemsize // 256)),
         ):
-            pieced = HostBackend(comms, _config(chunk_bytes=chunk_bytes))
+            pieced = HostBackend(comms, host_config(chunk_bytes=chunk_bytes))
             pieced.network, pieced.piece_bytes = True, 32
             pieced.comm = counting = Counting(pieced.comm)
             for shape in [(), (5,), (3, 40), (300,)]:
@@ -425,10 +419,10 @@ def test_the_express_lane_leaves_a_buffer_that_crosses_a_slow_link_to_the_pieces
 
     from mpidp.engine import lane
 
-    req = SimpleNamespace(prescale=1.0, postscale=1.0, reduce_op=ReduceOp.SUM)
+    req = SimpleNamespace(prescale=1.0, postscale=1.0, reduce_op=ReduceOp.SUM, dtype="float32")
     comms = Comms(MPI.COMM_WORLD)
     try:
-        route = HostBackend(comms, _config(chunk_bytes=0))
+        route = HostBackend(comms, host_config(chunk_bytes=0))
         route.piece_bytes = 32
         found = []
         for network in (False, True):
@@ -459,7 +453,7 @@ def test_a_rendezvous_host_that_does_not_resolve_fails_every_rank_at_once():
     try:
         err = ""
         try:
-            make_backend(comms, _config(backend="gloo", rendezvous_host="no-such-host.invalid"))
+            make_backend(comms, host_config(backend="gloo", rendezvous_host="no-such-host.invalid"))
         except mpidp.MpidpError as exc:
             err = str(exc)
         assert_all(
@@ -480,7 +474,7 @@ def test_the_wait_sleeps_only_across_hosts_and_long_only_after_a_slow_verdict():
     comms = Comms(MPI.COMM_WORLD)
     spread = Comms(MPI.COMM_WORLD, simulated_local_size=1)  # a node per rank
     try:
-        here = HostBackend(comms, _config())
+        here = HostBackend(comms, host_config())
         want_here = mpi.NETWORK_SLEEP_MAX_S if comms.spans_hosts else 0.0
         assert_all(here.network_sleep == want_here, f"this layout: {here.network_sleep}")
         cfg = mpidp_config.load(backend="mpi", hierarchical_allreduce=0)  # chunk_bytes unset

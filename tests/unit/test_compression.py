@@ -101,3 +101,40 @@ def test_gradients_come_back_through_decompress_where_a_compressor_has_no_decomp
     want = [torch.linspace(-2, 2, 5), torch.view_as_complex(torch.linspace(1, 6, 6).view(3, 2))]
     for grads in got:
         assert all(torch.equal(g, w) for g, w in zip(grads, want)), grads
+
+
+class _OwnCompress(FP16Compressor):
+    @classmethod
+    def compress(cls, tensor):
+        return tensor.to(torch.bfloat16), tensor.dtype
+
+
+class _OwnDecompress(FP16Compressor):
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx) * 2
+
+
+class _Named(FP16Compressor):
+    """A subclass that only renames: the same casts."""
+
+
+@pytest.mark.parametrize(
+    "comp, dtype, want",
+    [
+        (Compression.fp16, torch.float32, torch.float16),
+        (Compression.fp16, torch.float64, torch.float16),
+        (Compression.bf16, torch.float32, torch.bfloat16),
+        (Compression.bf16, torch.float16, torch.bfloat16),
+        (Compression.fp16, torch.float16, None),  # already the wire's dtype
+        (Compression.fp16, torch.int32, None),  # compress leaves integers alone
+        (Compression.none, torch.float32, None),
+        (_Named, torch.float32, torch.float16),
+        (_OwnCompress, torch.float32, None),  # its own compress must run
+        (_OwnDecompress, torch.float32, None),  # its own decompress must run
+    ],
+)
+def test_the_data_path_casts_only_what_the_built_in_casts_would(comp, dtype, want):
+    """wire_dtype names the dtype compress() would cast to, for a compressor whose compress and
+    decompress are the built-in casts; None where the compressor's own must run."""
+    assert comp.wire_dtype(torch.zeros(3, dtype=dtype)) is want

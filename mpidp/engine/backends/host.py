@@ -18,7 +18,7 @@ import torch
 from .. import adasum, dtypes, fusion, half, link, mpi, mpi_library, scaling
 from ..messages import OpType, ReduceOp, Response
 from ..tensor_queue import Entry, given_output, into_output, is_block
-from . import hierarchy, parts
+from . import cast, hierarchy, parts
 
 # Across hosts, a buffer that goes whole (a slow link: engine/link.py) and every 16-bit float
 # buffer cross in pieces of this many bytes, all in flight at once (the flat allreduce, or the
@@ -185,9 +185,13 @@ class HostBackend:
                 scaling.scale_(out[lo:hi], post)
 
     def _allreduce_alone(self, src: torch.Tensor, out: torch.Tensor, req) -> None:
-        """One tensor reduced on its own, in place when it can be (no copy at all)."""
-        wide = self.reduce_dtype(out.dtype, out.device)
-        if req.prescale == 1.0 and wide is src.dtype:
+        """One tensor reduced on its own, in place when it can be (no copy at all). A tensor
+        wider than the request's dtype (the wire's: ops.cast_allreduce_async_) travels cast."""
+        wire = dtypes.BY_NAME[req.dtype]
+        wide = self.reduce_dtype(wire, out.device)
+        if wide is not src.dtype and self._casts_in_pieces(src, out):
+            self._reduce_cast(src, out, req, wire)
+        elif req.prescale == 1.0 and wide is src.dtype:
             self._reduce_flat(None if out is src else src, out, req)
         else:
             work = scaling.work_copy(src, wide, req)
@@ -197,6 +201,34 @@ class HostBackend:
             out.copy_(work)
         if self.timeline_mark:
             self.timeline_mark("mpi")
+
+    def _casts_in_pieces(self, src: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether _reduce_cast serves this pair: MPI on host memory over the flat allreduce
+        (a process group's subclass and the hierarchy take the whole cast), contiguous tensors."""
+        return (
+            self.NUMPY_PARTS
+            and src.device.type == "cpu"
+            and not (self.hierarchical or self.hierarchical_half)
+            and src.is_contiguous()
+            and out.is_contiguous()
+        )
+
+    def _reduce_cast(self, src: torch.Tensor, out: torch.Tensor, req, wire: torch.dtype) -> None:
+        """`src` reduced into `out` as `wire` values, cast piece by piece (cast.reduce) in the
+        kept buffer of `wire`. Synchronization: the collectives of the chunks and pieces."""
+        work = self._fusion.scratch(wire, src.device, src.numel())
+        self._wire(work.numel() * work.element_size())
+        post = scaling.after_factor(req.reduce_op, req.postscale, self.size)
+        cast.reduce(
+            self,
+            src,
+            out,
+            _np(work),
+            work,
+            half.mpi_reduce_op(wire, req.reduce_op),
+            req.prescale,
+            post,
+        )
 
     def allreduce_one(self, entry: Entry) -> list:
         """The result of an allreduce op of one tensor: execute()'s for a batch of that op alone
@@ -216,10 +248,9 @@ class HostBackend:
     ) -> None:
         """The parts of `group` packed into the persistent fusion buffer, reduced as one."""
         idx = group.idx
-        flat, views = self._fusion.views(
-            group, self.reduce_dtype(srcs[idx[0]].dtype, device), device
-        )
-        torch._foreach_copy_(views, [srcs[i] for i in idx])  # casts to the wide dtype too
+        wire = dtypes.BY_NAME[req.dtype]
+        flat, views = self._fusion.views(group, self.reduce_dtype(wire, device), device)
+        torch._foreach_copy_(views, [srcs[i] for i in idx])  # casts to the reduced dtype too
         if req.prescale != 1.0:
             scaling.scale_(flat, req.prescale)
         if self.timeline_mark:
@@ -245,6 +276,7 @@ class HostBackend:
             and req.prescale == 1.0
             and device.type == "cpu"
             and srcs[0].dtype not in dtypes.MPI_VIEW
+            and srcs[0].dtype is dtypes.BY_NAME[req.dtype]  # no cast on the way
         )
         if plain:  # what each large part needs is the same for all: worked out once
             op = mpi.mpi_op(req.reduce_op, srcs[0].dtype == torch.bool)

@@ -60,14 +60,24 @@ class FusionBuffers:
         bound = group.bound
         if bound is not None and bound[0] is buf:
             return bound[1], bound[2]
-        if buf is None or buf.numel() < group.total:
-            # Grown at least twofold: a group keeps the buffer it was bound to until it is used
-            # again (or the planner forgets it), so what stale groups hold stays under the
-            # size of the newest buffer.
-            grown = 2 * buf.numel() if buf is not None else 1024
-            buf = torch.empty(max(group.total, grown), dtype=dtype, device=device)
-            self._bufs[(dtype, device)] = buf
+        buf = self._at_least(dtype, device, group.total)
         flat = buf[: group.total]
         views = [v.view(s) for v, s in zip(flat.split(group.numels), group.shapes)]
         group.bound = (buf, flat, views)
         return flat, views
+
+    def scratch(self, dtype: torch.dtype, device, n: int) -> torch.Tensor:
+        """`n` elements of the buffer, for one reduction that finishes before the next use
+        (the data path runs one at a time): kept, so its pages are not faulted in anew."""
+        return self._at_least(dtype, device, n)[:n]
+
+    def _at_least(self, dtype: torch.dtype, device, n: int) -> torch.Tensor:
+        buf = self._bufs.get((dtype, device))
+        if buf is None or buf.numel() < n:
+            # Grown at least twofold: a group keeps the buffer it was bound to until it is used
+            # again (or the planner forgets it), so what stale groups hold stays under the
+            # size of the newest buffer.
+            grown = 2 * buf.numel() if buf is not None else 1024
+            buf = torch.empty(max(n, grown), dtype=dtype, device=device)
+            self._bufs[(dtype, device)] = buf
+        return buf
