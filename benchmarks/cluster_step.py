@@ -146,6 +146,20 @@ class Phased(train_step.Contender):
         super().__init__(name, model, optimizer)
         self.load = load
         self.phases = []
+        # Without load: when each gradient is ready, in seconds after backward() began (the
+        # floor's `ready`), a list per step in the order of model.parameters().
+        self.ready = []
+        self._began = 0.0
+        self._now: dict = {}
+        if load is None:
+            for i, p in enumerate(model.parameters()):
+                p.register_post_accumulate_grad_hook(self._ready_hook(i))
+
+    def _ready_hook(self, i):
+        def hook(_p):
+            self._now[i] = time.perf_counter() - self._began
+
+        return hook
 
     def begin(self):
         if self.load is not None:
@@ -159,12 +173,15 @@ class Phased(train_step.Contender):
         start = time.perf_counter()
         self.optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(self.model(x), y)
-        forward = time.perf_counter()
+        forward = self._began = time.perf_counter()
+        self._now = {}
         loss.backward()
         backward = time.perf_counter()
         self.optimizer.step()
         end = time.perf_counter()
         self.phases.append((forward - start, backward - forward, end - backward))
+        if self._now and len(self._now) == max(self._now) + 1:  # every gradient came
+            self.ready.append([self._now[i] for i in range(len(self._now))])
         return end - start
 
 
@@ -268,6 +285,7 @@ def bench_model(name, comm, rounds, steps, hierarchical, load=None):
         getattr(c, "end", lambda: None)()
         if isinstance(c, Phased):
             c.phases.clear()
+            c.ready.clear()
     for r in range(rounds):
         # A new order each round, the same on every rank: a contender's time depends on the one
         # before it (the one after "no communication" ran ~5 % slower, whichever it was), and a
@@ -288,13 +306,21 @@ def bench_model(name, comm, rounds, steps, hierarchical, load=None):
     # Forward, backward and update of the steps without communication: each phase's median,
     # the slowest rank's.
     phases = {}
+    ready = []
     for c in runners:
         if isinstance(c, Phased):
             mine = [statistics.median(p[k] for p in c.phases) for k in range(3)]
             phases[c.name] = [max(v) for v in zip(*comm.allgather(mine))]
+        if isinstance(c, Phased) and c.ready:
+            # When each gradient is ready (median over the steps; the slowest rank's), with
+            # its bytes as float32.
+            at = [statistics.median(r[i] for r in c.ready) for i in range(len(params))]
+            at = [max(v) for v in zip(*comm.allgather(at))]
+            ready = [[t, p.numel() * 4] for t, p in zip(at, params)]
     return {
         "step_s": med,
         "phases_s": phases,
+        "ready_s_bytes": ready,
         # The mode each mpidp contender ran in after its warm-up (True: overlapped), per rank.
         "overlap": {
             c.name: comm.allgather(c.optimizer._overlap)
@@ -339,7 +365,8 @@ def floors(row, n, rate_bit, delay_s):
     for half in (False, True):
         t_comm = limits(row, n, rate_bit, delay_s, half)[0]
         t_last = transfer(row["last_tensor_bytes"], n, rate_bit, half)
-        out.append(link_load.floor(fwd, bwd, bwd_loaded, upd, t_comm, t_last))
+        ready = [(at, transfer(b, n, rate_bit, half)) for at, b in row.get("ready_s_bytes", ())]
+        out.append(link_load.floor(fwd, bwd, bwd_loaded, upd, t_comm, t_last, ready))
     return tuple(out)
 
 

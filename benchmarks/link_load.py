@@ -87,13 +87,24 @@ class LinkLoad:
                 s.close()
 
 
-def floor(forward, backward, backward_loaded, update, t_comm, t_last=0.0):
+def floor(forward, backward, backward_loaded, update, t_comm, t_last=0.0, ready=()):
     """The least step time with `t_comm` seconds of link traffic, `t_last` of them the transfer
     of the gradient the backward pass produces last: nothing crosses before the backward pass
     produces gradients, the last one only after it ends, and the update waits for it, so
     forward and update run with the link idle; while the link is busy the backward pass runs at
     the speed it had under LinkLoad (backward / backward_loaded), the rest of it at full speed:
-    forward + update + max(t_comm, backward + (t_comm - t_last) * (1 - speed) + t_last)."""
+    forward + update + max(t_comm, backward + (t_comm - t_last) * (1 - speed) + t_last).
+    `ready`: (seconds into the backward pass at which a gradient is ready, seconds its transfer
+    takes) for every gradient, from a backward pass without traffic. A gradient cannot cross
+    before it is ready, so whatever is ready at t or later still has to cross after t: the
+    link's traffic ends no sooner than max over t of t + the transfers of the gradients ready
+    at t or later (a model whose large gradients come late, as the MLP's, cannot hide its
+    backward pass behind the link)."""
     speed = backward / backward_loaded if backward_loaded > 0 else 1.0
     early = t_comm - t_last
-    return forward + update + max(t_comm, backward + early * (1.0 - speed) + t_last)
+    inner = max(t_comm, backward + early * (1.0 - speed) + t_last)
+    later = 0.0
+    for at, cost in sorted(ready, reverse=True):
+        later += cost
+        inner = max(inner, at + later)
+    return forward + update + inner
