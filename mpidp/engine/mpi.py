@@ -365,9 +365,7 @@ def allreduce(
                 comm.Iallreduce(MPI.IN_PLACE if src is None else src[lo:hi], dst[lo:hi], op=op)
             )
         if drain is not None:
-            for request, (lo, hi) in zip(requests, bounds):
-                _done(request.Test, request.Wait, busy, network)
-                drain(lo, hi)
+            _drained(requests, bounds, drain, busy, network)
             return
         _done(
             lambda: MPI.Request.Testall(requests),
@@ -387,6 +385,24 @@ def _done(test, wait, busy, network: float) -> None:
         wait()
     else:
         _paced(test, wait, busy, network)
+
+
+def _drained(requests, bounds, drain, busy, network: float) -> None:
+    """Complete `requests` in order, `drain(lo, hi)` each as soon as it is done, waiting as
+    _paced does, with one back-off for them all: started anew per piece, the sleeps would climb
+    from 20 us again for every piece (a 1 MiB piece takes 8 ms at 1 Gbit/s)."""
+    delay = 20e-6
+    for request, (lo, hi) in zip(requests, bounds):
+        while not request.Test():
+            if busy is None or busy():
+                request.Wait()
+                break
+            if network:
+                time.sleep(delay)
+                delay = min(delay * 2, network)
+            else:
+                os.sched_yield()
+        drain(lo, hi)
 
 
 def _paced(done, finish, busy, network: float) -> None:

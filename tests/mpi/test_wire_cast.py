@@ -218,3 +218,46 @@ def test_a_cast_op_refuses_what_it_cannot_cast():
         not bad and out.dtype == torch.float32 and torch.equal(out, torch.full((4,), SIZE * 1.0)),
         f"{bad}; the fine op gave {out}",
     )
+
+
+@pytest.mark.mpi
+def test_pieces_are_filled_before_they_start_and_drained_in_order_once_done():
+    """mpi.allreduce with `fill` and `drain`: each piece's elements are written just before its
+    collective starts and read, in order, once it is done, whether a user thread waits (the
+    blocking wait) or not (tests between short or long sleeps, or yields on one host)."""
+    from mpidp.engine import half
+    from mpidp.engine import mpi as mpi_mod
+
+    comm = Counting(MPI.COMM_WORLD.Dup())
+    sum16 = half.mpi_reduce_op(torch.float16, ReduceOp.SUM)
+    waits = [(None, 0.0), (lambda: False, 0.0), (lambda: False, mpi_mod.NETWORK_SLEEP_LONG_S)]
+    bad = []
+    for busy, sleep in waits:
+        for n, piece in ((1, 7), (7, 7), (8, 7), (1000, 7), (3001, 1000)):
+            src = torch.randn(n, generator=torch.Generator().manual_seed(RANK)).half()
+            want = sum(
+                torch.randn(n, generator=torch.Generator().manual_seed(r)).half().float()
+                for r in range(SIZE)
+            )
+            work = torch.full((n,), float("nan"), dtype=torch.float16)
+            got = torch.full((n,), float("nan"))
+            filled, drained = [], []
+
+            def fill(lo, hi, src=src, work=work, filled=filled):
+                filled.append(lo)
+                work[lo:hi].copy_(src[lo:hi])
+
+            def drain(lo, hi, work=work, got=got, drained=drained):
+                drained.append(lo)
+                got[lo:hi].copy_(work[lo:hi])
+
+            comm.calls = 0
+            recv = work.view(torch.int16).numpy()
+            mpi_mod.allreduce(comm, None, recv, sum16, busy, sleep, piece, fill, drain)
+            starts = list(range(0, n, piece))
+            # Two ranks' sums are one rounding from float32's; more ranks add their own.
+            close = torch.allclose(got, want, rtol=2e-3 * SIZE, atol=2e-3 * SIZE)
+            if not (close and filled == starts and drained == starts and comm.calls == len(starts)):
+                bad.append((n, piece, sleep, busy is None, filled[:4], drained[:4], comm.calls))
+    comm.comm.Free()
+    assert_all(not bad, f"wrong results, fills, drains or collective counts: {bad}")
