@@ -389,35 +389,31 @@ def _done(test, wait, busy, network: float) -> None:
 
 def _drained(requests, bounds, drain, busy, network: float) -> None:
     """Complete `requests` in order, `drain(lo, hi)` each as soon as it is done, waiting as
-    _paced does, with one back-off for them all: started anew per piece, the sleeps would climb
+    _done does, with one back-off for them all: started anew per piece, the sleeps would climb
     from 20 us again for every piece (a 1 MiB piece takes 8 ms at 1 Gbit/s)."""
     delay = 20e-6
     for request, (lo, hi) in zip(requests, bounds):
-        while not request.Test():
-            if busy is None or busy():
-                request.Wait()
-                break
-            if network:
-                time.sleep(delay)
-                delay = min(delay * 2, network)
-            else:
-                os.sched_yield()
+        if busy is None or busy():
+            request.Wait()
+        else:
+            delay = _paced(request.Test, request.Wait, busy, network, delay)
         drain(lo, hi)
 
 
-def _paced(done, finish, busy, network: float) -> None:
+def _paced(done, finish, busy, network: float, delay: float = 20e-6) -> float:
     """Test with `done()` until it is true, giving the core away between tests (allreduce says
-    how); `finish()` (the blocking wait) as soon as `busy()` turns true."""
-    delay = 20e-6
+    how); `finish()` (the blocking wait) as soon as `busy()` turns true. Returns the sleep the
+    back-off, which starts at `delay`, had reached."""
     while not done():
         if busy():
             finish()
-            return
+            break
         if network:
             time.sleep(delay)
             delay = min(delay * 2, network)
         else:
             os.sched_yield()
+    return delay
 
 
 def allgatherv(comm, send: np.ndarray, recv: np.ndarray, counts) -> None:
