@@ -5,7 +5,6 @@ from typing import Optional
 import torch
 
 from .. import ops
-from ..engine.messages import ReduceOp
 from ..ops.sparse import sparse_allreduce_async
 from .buckets import Bucket
 
@@ -45,7 +44,7 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
         bucket.wires = bucket.ctxs = ()
         return
     grads = [grad_of(p, is_sparse) for p in dense]
-    cast = wire_dtype(compression, grads, op)
+    cast = wire_dtype(compression, grads)
     if cast is not None:  # the data path casts them, piece by piece, while pieces travel
         bucket.wires, bucket.ctxs = grads, [None] * len(grads)
         bucket.start(grads, op, pre, post, ps, keep=not sparse, wire=cast)
@@ -62,12 +61,12 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
     bucket.start(wires, op, pre, post, ps, keep=not sparse)
 
 
-def wire_dtype(compression, grads, op) -> Optional[torch.dtype]:
+def wire_dtype(compression, grads) -> Optional[torch.dtype]:
     """The dtype the data path may cast `grads` to for the wire in place of `compression`'s
     compress and decompress (Compressor.wire_dtype): where it names one for all of them, of one
-    dtype and contiguous, and the op reduces values (not Adasum); else None."""
+    dtype and contiguous; else None. (op=Adasum never gets here: adasum_optimizer.py.)"""
     ask = getattr(compression, "wire_dtype", None)  # Horovod's compressors lack it
-    if ask is None or op == ReduceOp.ADASUM:
+    if ask is None:
         return None
     first = grads[0]
     wire = ask(first)
