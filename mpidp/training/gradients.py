@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from .. import ops
+from ..engine.messages import ReduceOp
 from ..ops.sparse import sparse_allreduce_async
 from .buckets import Bucket
 
@@ -44,7 +45,7 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
         bucket.wires = bucket.ctxs = ()
         return
     grads = [grad_of(p, is_sparse) for p in dense]
-    cast = wire_dtype(compression, grads)
+    cast = wire_dtype(compression, grads, op)
     if cast is not None:  # the data path casts them, piece by piece, while pieces travel
         bucket.wires, bucket.ctxs = grads, [None] * len(grads)
         bucket.start(grads, op, pre, post, ps, keep=not sparse, wire=cast)
@@ -61,12 +62,12 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
     bucket.start(wires, op, pre, post, ps, keep=not sparse)
 
 
-def wire_dtype(compression, grads) -> Optional[torch.dtype]:
+def wire_dtype(compression, grads, op) -> Optional[torch.dtype]:
     """The dtype the data path may cast `grads` to for the wire in place of `compression`'s
     compress and decompress (Compressor.wire_dtype): where it names one for all of them, of one
-    dtype and contiguous; else None. (op=Adasum never gets here: adasum_optimizer.py.)"""
+    dtype and contiguous, and the op reduces values (not Adasum); else None."""
     ask = getattr(compression, "wire_dtype", None)  # Horovod's compressors lack it
-    if ask is None:
+    if ask is None or op == ReduceOp.ADASUM:
         return None
     first = grads[0]
     wire = ask(first)
