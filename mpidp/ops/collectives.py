@@ -6,7 +6,7 @@ import torch
 
 from . import allreduce_ops, autograd, express, gather_ops, op_args, submission
 from .allreduce_ops import Average
-from .compression import Compression
+from .compression import Compression, cast_wire
 from .eager import eager
 from .waits import synchronize
 
@@ -45,6 +45,21 @@ def _compressed(rule, start, tensor, compression, name, op, pre, post, ps):
     return compression.decompress(out, ctx)
 
 
+def _cast_reduced(tensors, compression, name, op, pre, post, ps):
+    """The reduced copies of `tensors` when `compression` is a cast the data path does itself
+    (cast_wire): each 16-bit piece is made just before it travels and cast back as soon as it
+    is reduced, on the engine thread, bitwise what compress, reduce and decompress give. None
+    where compress and decompress must run. Synchronization: waits for the op."""
+    wire = cast_wire(compression, tensors, op)
+    if wire is None:
+        return None
+    outs = [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in tensors]
+    handle = allreduce_ops.cast_allreduce_async_(
+        outs, wire, name=name, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
+    )
+    return synchronize(handle)
+
+
 @eager
 def allreduce(
     tensor,
@@ -70,6 +85,12 @@ def allreduce(
 
 @_blocking
 def _allreduce(tensor, compression, name, op, prescale_factor, postscale_factor, process_set):
+    if not _wants_grad(tensor):
+        outs = _cast_reduced(
+            [tensor], compression, name, op, prescale_factor, postscale_factor, process_set
+        )
+        if outs is not None:
+            return outs[0]
     return _compressed(
         autograd.Allreduce,
         allreduce_ops.allreduce_async,
@@ -125,6 +146,15 @@ def grouped_allreduce(
 ):
     """Reduce a list of tensors, submitted atomically; returns new tensors; differentiable.
     Blocks until every rank has submitted the group."""
+    tensors = list(tensors)
+    if not any(_wants_grad(t) for t in tensors):
+        op = op_args.resolve_op(average, op, "grouped_allreduce")
+        average = None
+        outs = _cast_reduced(
+            tensors, compression, name, op, prescale_factor, postscale_factor, process_set
+        )
+        if outs is not None:
+            return outs
     wire = [compression.compress(t) for t in tensors]
     if any(_wants_grad(w) for w, _ in wire):
         op = op_args.resolve_op(average, op, "grouped_allreduce")

@@ -4,6 +4,8 @@ from typing import Optional
 
 import torch
 
+from ..engine.messages import ReduceOp
+
 
 class Compressor:
     """Interface: `compress(t) -> (t', ctx)` before the collective, `decompress(t', ctx)` after."""
@@ -82,3 +84,24 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+def cast_wire(compression, tensors, op) -> Optional[torch.dtype]:
+    """The dtype the data path may cast `tensors` to for the wire in place of `compression`'s
+    compress and decompress (Compressor.wire_dtype): where it names one for all of them, dense
+    and of one dtype, and `op` reduces values (not Adasum, which runs on the tensors' own
+    values); else None. The caller makes them contiguous, or does not ask."""
+    ask = getattr(compression, "wire_dtype", None)  # Horovod's compressors lack it
+    if ask is None or op == ReduceOp.ADASUM or not tensors:
+        return None
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or first.layout is not torch.strided:
+        return None
+    wire = ask(first)
+    if wire is None or not all(_dense_as(t, first.dtype) for t in tensors):
+        return None
+    return wire
+
+
+def _dense_as(t, dtype) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout is torch.strided and t.dtype is dtype

@@ -1,11 +1,9 @@
 """A bucket's gradients on their way: to the reduction ops, and back into each parameter's .grad."""
 
-from typing import Optional
-
 import torch
 
 from .. import ops
-from ..engine.messages import ReduceOp
+from ..ops.compression import cast_wire
 from ..ops.sparse import sparse_allreduce_async
 from .buckets import Bucket
 
@@ -45,8 +43,9 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
         bucket.wires = bucket.ctxs = ()
         return
     grads = [grad_of(p, is_sparse) for p in dense]
-    cast = wire_dtype(compression, grads, op)
-    if cast is not None:  # the data path casts them, piece by piece, while pieces travel
+    cast = cast_wire(compression, grads, op)
+    # The data path casts them, piece by piece, while pieces travel.
+    if cast is not None and all(g.is_contiguous() for g in grads):
         bucket.wires, bucket.ctxs = grads, [None] * len(grads)
         bucket.start(grads, op, pre, post, ps, keep=not sparse, wire=cast)
         return
@@ -60,20 +59,6 @@ def submit(bucket: Bucket, names, is_sparse, compression, op, pre: float, post: 
     bucket.wires, bucket.ctxs = wires, ctxs
     # A bucket op covering only some parameters has no kept request.
     bucket.start(wires, op, pre, post, ps, keep=not sparse)
-
-
-def wire_dtype(compression, grads, op) -> Optional[torch.dtype]:
-    """The dtype the data path may cast `grads` to for the wire in place of `compression`'s
-    compress and decompress (Compressor.wire_dtype): where it names one for all of them, of one
-    dtype and contiguous, and the op reduces values (not Adasum); else None."""
-    ask = getattr(compression, "wire_dtype", None)  # Horovod's compressors lack it
-    if ask is None or op == ReduceOp.ADASUM:
-        return None
-    first = grads[0]
-    wire = ask(first)
-    if wire is None or any(g.dtype is not first.dtype or not g.is_contiguous() for g in grads):
-        return None
-    return wire
 
 
 def collect(bucket: Bucket, compression, kinds) -> None:

@@ -189,6 +189,63 @@ def test_compressed_training_casts_in_the_data_path_with_the_callers_results(nam
 
 
 @pytest.mark.mpi
+@pytest.mark.filterwarnings("ignore:average= is deprecated")
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(op=mpidp.Sum), dict(op=mpidp.Average), dict(op=mpidp.Min), dict(average=False)]
+    + [dict(op=mpidp.Sum, prescale_factor=0.5, postscale_factor=3.0)],
+    ids=["sum", "average", "min", "average_false", "scaled"],
+)
+def test_public_allreduce_with_a_cast_compressor_casts_in_the_data_path(name, kw, monkeypatch):
+    """allreduce and grouped_allreduce with Compression.fp16 (bf16) reduce a float copy whose
+    values the data path casts (compress() is never called), bitwise as a user's compressor
+    doing the same casts on the caller's thread; the input is left as it was, a strided one
+    too. Tensors the casts cannot take whole (a gradient wanted, mixed dtypes, Adasum's own
+    values) still get compress and decompress."""
+    builtin = getattr(mpidp.Compression, name)
+    calls = []
+    real = compression_mod._CastCompressor.compress.__func__
+
+    class Own(builtin):
+        @classmethod
+        def compress(cls, tensor):
+            return real(cls, tensor)
+
+    def counted(cls, tensor):
+        calls.append(tensor.numel())
+        return real(cls, tensor)
+
+    monkeypatch.setattr(compression_mod._CastCompressor, "compress", classmethod(counted))
+    tag = f"public.{name}.{'.'.join(f'{k}{v}' for k, v in kw.items())}"
+    xs = _grads(torch.float32, salt=3)
+    wide = torch.randn(6, 8, generator=torch.Generator().manual_seed(RANK))[:, ::2]
+    kept = [x.clone() for x in xs] + [wide.clone()]
+    got, want = [], []
+    for i, x in enumerate(xs + [wide]):
+        got.append(run_all(mpidp.allreduce, x, name=f"{tag}.{i}", compression=builtin, **kw))
+        want.append(run_all(mpidp.allreduce, x, name=f"{tag}.own{i}", compression=Own, **kw))
+    got += run_all(mpidp.grouped_allreduce, xs, name=f"{tag}.g", compression=builtin, **kw)
+    want += run_all(mpidp.grouped_allreduce, xs, name=f"{tag}.og", compression=Own, **kw)
+    in_engine = not calls
+    unchanged = all(torch.equal(a, b) for a, b in zip(xs + [wide], kept))
+    same_values = all(
+        a.dtype == torch.float32 and a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(got, want)
+    )
+    # Where the casts cannot run in the data path, compress() is called as before.
+    w = xs[1].clone().requires_grad_()
+    run_all(mpidp.allreduce, w, name=f"{tag}.grad", compression=builtin, **kw)
+    mixed = [xs[0], xs[1].double()]
+    run_all(mpidp.grouped_allreduce, mixed, name=f"{tag}.mixed", compression=builtin, **kw)
+    assert_all(
+        in_engine and unchanged and same_values and len(calls) == 3,
+        f"{name} {kw}: compress() calls {calls} (want none, then 3 for the gradient and "
+        f"mixed cases); inputs unchanged {unchanged}; bitwise as the user's casts {same_values}",
+    )
+
+
+@pytest.mark.mpi
 def test_a_cast_op_refuses_what_it_cannot_cast():
     """cast_allreduce_async_ says what was wrong, on every rank, before anything is submitted."""
     f32 = torch.ones(4)

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from mpidp.ops.compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor
+from mpidp.engine.messages import ReduceOp
+from mpidp.ops.compression import (
+    BF16Compressor,
+    Compression,
+    FP16Compressor,
+    NoneCompressor,
+    cast_wire,
+)
 
 
 def test_horovod_names():
@@ -138,3 +145,21 @@ def test_the_data_path_casts_only_what_the_built_in_casts_would(comp, dtype, wan
     """wire_dtype names the dtype compress() would cast to, for a compressor whose compress and
     decompress are the built-in casts; None where the compressor's own must run."""
     assert comp.wire_dtype(torch.zeros(3, dtype=dtype)) is want
+
+
+class _Horovods:  # a compressor written for Horovod: compress and decompress, no wire_dtype
+    compress = staticmethod(Compression.fp16.compress)
+    decompress = staticmethod(Compression.fp16.decompress)
+
+
+def test_a_list_is_cast_in_the_data_path_only_when_all_of_it_can_be():
+    """cast_wire: one dense floating dtype, a reduction of values, a compressor that says so."""
+    f32 = [torch.zeros(3), torch.zeros(2, 2)]
+    assert cast_wire(Compression.fp16, f32, ReduceOp.SUM) is torch.float16
+    assert cast_wire(Compression.bf16, f32, ReduceOp.AVERAGE) is torch.bfloat16
+    assert cast_wire(Compression.fp16, f32, ReduceOp.ADASUM) is None
+    assert cast_wire(Compression.fp16, f32 + [torch.zeros(2).double()], ReduceOp.SUM) is None
+    assert cast_wire(Compression.fp16, [torch.zeros(2).to_sparse()], ReduceOp.SUM) is None
+    assert cast_wire(Compression.fp16, [], ReduceOp.SUM) is None
+    assert cast_wire(_Horovods, f32, ReduceOp.SUM) is None
+    assert cast_wire(Compression.none, f32, ReduceOp.SUM) is None
