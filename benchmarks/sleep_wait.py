@@ -5,16 +5,16 @@
     `-genv UCX_TCP_RX_SEG_SIZE 64k` for UCX's own segment, and at `--profile 10gbe`)
 
 mpidp's engine reduces a bucket during the backward pass by testing the collective and sleeping
-between tests, so as not to take the core the backward pass computes on (engine/mpi.py). MPICH's
-UCX netmod moves bytes over TCP only inside a test, and each test reads at most one receive
-segment (UCX_TCP_RX_SEG_SIZE) from a socket: the longest sleep that keeps a link fed depends on
-it. This script reduces `--mb` MB of float32 as 1 MiB pieces, all in flight at once (as mpidp
-sends a buffer across a slow link), with MPI's own wait (Waitall, which spins) and with tests
-separated by sleeps doubling from 20 us up to each cap, and prints per reduction the wall time
-and this rank's CPU time (user, system), medians over the rounds, each round alternating the
-contenders. The segment in force is what the launch's environment says: mpi4py is imported
-here without mpidp, so mpidp's own default (2 MiB, runtime/ucx_segment.py) applies only where
-this script sets it, which it does unless the variable is set.
+between tests, so as not to take the core the backward pass computes on (engine/mpi/waiting.py).
+MPICH's UCX netmod moves bytes over TCP only inside a test, and each test reads at most one receive
+segment (UCX_TCP_RX_SEG_SIZE) from a socket: the longest sleep that keeps a link fed depends on it.
+This script reduces `--mb` MB of float32 as 1 MiB pieces, all in flight at once (as mpidp sends a
+buffer across a slow link), with MPI's own wait (Waitall, which spins) and with tests separated by
+sleeps doubling from 20 us up to each cap, and prints per reduction the wall time and this rank's
+CPU time (user, system), medians over the rounds, each round alternating the contenders. The
+segment in force is what the launch's environment says: mpi4py is imported here without mpidp, so
+mpidp's own default (2 MiB, runtime/ucx_segment.py) applies only where this script sets it, which
+it does unless the variable is set.
 """
 
 import argparse

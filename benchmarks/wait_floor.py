@@ -5,8 +5,8 @@
 mpidp's blocking allreduce of a cached name is two collectives on the caller's thread (the
 negotiation band, a bitwise-AND Iallreduce of 24 B on one communicator, then the data's
 allreduce on another) with Python work around them. This script times, in one job and with no
-mpidp code but its wait (engine/mpi.py), what that shape costs with no Python at all and with a
-few microseconds of busy Python per op, beside one raw MPI Allreduce of 4 B:
+mpidp code but its wait (engine/mpi/waiting.py), what that shape costs with no Python at all
+and with a few microseconds of busy Python per op, beside one raw MPI Allreduce of 4 B:
 
   raw        comm.Allreduce(IN_PLACE) of one float32
   band+data  the band (mpi.allreduce_band, a thread that waits: yields between tests), then

@@ -1,6 +1,6 @@
 """The process-set registry: the ranks of each set, agreed by every rank; members get an engine.
 
-The caller (runtime) passes mpi4py's MPI module in: only the runtime and engine/mpi.py import it.
+The caller (runtime) passes mpi4py's MPI module in: only the runtime and engine/mpi/ import it.
 """
 
 import zlib
