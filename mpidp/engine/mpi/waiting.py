@@ -60,7 +60,8 @@ def wait(request, spin: bool = True, poll=None, status=None) -> None:
 
 def complete(test, wait, busy, network: float) -> None:
     """Complete what `test()`/`wait()` poll and wait for: the blocking wait where no `busy()`
-    is given or a user thread waits, else paced()."""
+    is given or a user thread waits, else paced(). Synchronization: that of the request's
+    collective, nothing of its own."""
     if busy is None or busy():
         wait()
     else:
@@ -69,8 +70,9 @@ def complete(test, wait, busy, network: float) -> None:
 
 def complete_in_order(requests, bounds, drain, busy, network: float) -> None:
     """Complete `requests` in order, `drain(lo, hi)` each as soon as it is done, waiting as
-    complete() does, with one back-off for them all: started anew per piece, the sleeps would climb
-    from 20 us again for every piece (a 1 MiB piece takes 8 ms at 1 Gbit/s)."""
+    complete() does, with one back-off for them all: started anew per piece, the sleeps would
+    climb from 20 us again for every piece (a 1 MiB piece takes 8 ms at 1 Gbit/s).
+    Synchronization: that of the requests' collectives, nothing of its own."""
     delay = 20e-6
     for request, (lo, hi) in zip(requests, bounds):
         if busy is None or busy():
@@ -81,9 +83,10 @@ def complete_in_order(requests, bounds, drain, busy, network: float) -> None:
 
 
 def paced(done, finish, busy, network: float, delay: float = 20e-6) -> float:
-    """Test with `done()` until it is true, giving the core away between tests (calls.allreduce
-    says how); `finish()` (the blocking wait) as soon as `busy()` turns true. Returns the sleep the
-    back-off, which starts at `delay`, had reached."""
+    """Test with `done()` until it is true, giving the core away between tests
+    (calls.allreduce says how); `finish()` (the blocking wait) as soon as `busy()` turns true.
+    Returns the sleep the back-off, which starts at `delay`, had reached. Synchronization: none
+    of its own."""
     while not done():
         if busy():
             finish()
