@@ -7,6 +7,7 @@ from typing import Dict
 import torch
 
 from .. import ops
+from ..log import logger
 from ..ops import Average, op_args
 from ..ops.compression import Compression
 from ..ops.eager import eager
@@ -104,6 +105,7 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         self._seq = next(_created)  # the same on every rank: they create optimizers alike
         self._in_backward = self.completes_in_backward and world.state().config.reduce_in_backward
         self._hooks: list = []
+        self._said_held = False  # the warning that a later hook holds a bucket
         self._hook_id: Dict[torch.Tensor, int] = {}  # each trained parameter's hook handle id
         self._guards = pass_guard.Guards([], self._before_accumulation)
         self._layout()
@@ -282,16 +284,12 @@ class DistributedOptimizer(wrapped.OptimizerWrapper):
         if count > step.passes_per_step or bucket.submitted:
             raise self._too_many_passes(p)
         bucket.ready += 1
-        if bucket.ready == len(bucket.params) and self._overlap and not self._hooked_after(p):
-            self._submit(bucket)
-
-    def _hooked_after(self, p) -> bool:
-        """Whether p has a post-accumulate-grad hook registered after this optimizer's, which
-        runs once this one returns and may still change p.grad: its bucket then waits for the
-        end of backward (or step()) instead of leaving now. The bucket's other parameters'
-        later hooks ran already (each runs right after this optimizer's, on that parameter)."""
-        hooks = p._post_accumulate_grad_hooks  # torch's own ordered table of them
-        return bool(hooks) and next(reversed(hooks)) != self._hook_id.get(p)
+        if bucket.ready == len(bucket.params) and self._overlap:
+            if not pass_guard.hooked_after(p, self._hook_id.get(p)):
+                self._submit(bucket)
+            elif not self._said_held:  # once: the same hooks hold the same buckets each step
+                self._said_held = True
+                logger.warning(pass_guard.held_by_a_later_hook(self._names[p]))
 
     def _submit(self, bucket: Bucket) -> None:
         """Start the reduction of `bucket` (gradients.submit); variants override it."""

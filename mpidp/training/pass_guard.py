@@ -1,9 +1,9 @@
-"""DistributedOptimizer's backward passes: the refusal of one too many, and the end of one."""
+"""DistributedOptimizer's backward passes: one too many refused, the end, later user hooks."""
 
 import functools
 import threading
 import weakref
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -78,6 +78,26 @@ def after_outer_node(seq: int, callback: Callable) -> bool:
         return False
     node.register_hook(lambda *_: at_backward_end(seq, callback) and None)
     return True
+
+
+def hooked_after(p: torch.nn.Parameter, own: Optional[int]) -> bool:
+    """Whether `p` has a post-accumulate-grad hook registered after the optimizer's (handle id
+    `own`), which runs once that one returns and may still change p.grad: its bucket then
+    waits for the end of backward (or step()) instead of leaving now. The bucket's other
+    parameters' later hooks ran already (each runs right after the optimizer's, on that
+    parameter)."""
+    hooks = p._post_accumulate_grad_hooks  # torch's own ordered table of them
+    return bool(hooks) and next(reversed(hooks)) != own
+
+
+def held_by_a_later_hook(name: str) -> str:
+    """The warning, once per optimizer, that such a hook on parameter `name` holds buckets."""
+    return (
+        f"DistributedOptimizer: {name} has a post-accumulate-grad hook registered after the "
+        f"optimizer's, which may still change its gradient, so its bucket (and any other so "
+        f"hooked) is reduced at the end of backward, not during it; register such hooks "
+        f"before wrapping the optimizer to keep the overlap"
+    )
 
 
 def weak(method: Callable) -> Callable:

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import logging
 import os
 import time
 import warnings
@@ -1183,7 +1184,8 @@ def test_a_dropped_optimizer_is_freed_and_its_hooks_do_nothing(kind):
 def test_a_post_accumulate_hook_registered_after_wrapping_runs_before_the_reduction(overlap):
     """A user hook registered after DistributedOptimizer wrapped the model runs after its hook:
     the parameter's bucket then waits for the end of backward, so the reduction sees what the
-    user's hook made of the gradient (here: doubled)."""
+    user's hook made of the gradient (here: doubled). Where that costs the overlap, one
+    warning says so and how to keep it, once however many steps follow."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     opt = mpidp.DistributedOptimizer(
@@ -1197,9 +1199,29 @@ def test_a_post_accumulate_hook_registered_after_wrapping_runs_before_the_reduct
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(double)
-    x = torch.full((3, 4), float(mpidp.rank() + 1))
-    model(x).sum().backward()
-    opt.synchronize()
+    said = []
+    records = logging.Handler(logging.WARNING)
+    records.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("mpidp").addHandler(records)
+    try:
+        x = torch.full((3, 4), float(mpidp.rank() + 1))
+        model(x).sum().backward()
+        opt.synchronize()
+        before = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()  # lr 0: the weights stay
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.synchronize()
+        same = all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    finally:
+        logging.getLogger("mpidp").removeHandler(records)
+    held = [m for m in said if "registered after the optimizer's" in m]
+    assert_all(same, "the second step's gradients differ from the first's")
+    assert_all(
+        len(held) == (1 if overlap else 0) and all("before wrapping" in m for m in held),
+        f"warnings about the held buckets over two steps: {held}",
+    )
     torch.manual_seed(0)  # the same initial weights, without the hooks a deep copy would bring
     local = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     ranks = [torch.full((3, 4), float(r + 1)) for r in range(mpidp.size())]
