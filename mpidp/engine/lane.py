@@ -50,7 +50,7 @@ class Lane:
         recv = out.numpy()
         assert self.backend is not None  # run only where plan() found the host path (op set)
         # The caller waits for this result: MPI's blocking wait (a spin) is what busy() picks.
-        mpi.allreduce(self.backend.comm, None if out is src else src.numpy(), recv, self.op)
+        mpi.allreduce(self.backend.reduce_comm, None if out is src else src.numpy(), recv, self.op)
         if self.factor != 1.0:
             # As scaling.scale_, at a numpy call's cost: floats multiply in their own type,
             # integers in float64 and are truncated toward zero on the way back.

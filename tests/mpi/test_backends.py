@@ -368,7 +368,7 @@ def test_16_bit_floats_across_hosts_go_in_pieces_with_the_host_result(paths, dty
     try:
         pieced = HostBackend(comms, host_config())
         pieced.network, pieced.piece_bytes = True, 16  # 8 elements a piece
-        pieced.comm = counting = Counting(pieced.comm)
+        pieced.reduce_comm = counting = Counting(pieced.reduce_comm)
         for shape in [(), (5,), (9,), (3, 40), (300,)]:  # (300,): 600 bytes, past a 256 B chunk
             t = values(shape, dtype, RANK)
             batch, entries = single(f"pc{shape}", ALLREDUCE, t, reduce_op=op)
@@ -395,7 +395,7 @@ def test_whole_buffers_across_hosts_go_in_pieces_and_chunks_do_not(paths, dtype,
         ):
             pieced = HostBackend(comms, host_config(chunk_bytes=chunk_bytes))
             pieced.network, pieced.piece_bytes = True, 32
-            pieced.comm = counting = Counting(pieced.comm)
+            pieced.reduce_comm = counting = Counting(pieced.reduce_comm)
             for shape in [(), (5,), (3, 40), (300,)]:
                 t = values(shape, dtype, RANK)
                 batch, entries = single(f"wp{chunk_bytes}{shape}", ALLREDUCE, t, reduce_op=op)

@@ -120,7 +120,7 @@ def test_the_pieces_cast_one_at_a_time_and_the_express_lane_declines():
     try:
         pieced = HostBackend(comms, host_config(chunk_bytes=0))
         pieced.network, pieced.piece_bytes = True, 16  # 8 elements of float16 a piece
-        pieced.comm = counting = Counting(pieced.comm)
+        pieced.reduce_comm = counting = Counting(pieced.reduce_comm)
         grads = [torch.randn(300, generator=torch.Generator().manual_seed(RANK))]
         batch, entries = _batch("p", grads, torch.float16, False)
         run_all(pieced.execute, batch, entries)

@@ -20,7 +20,7 @@ def reduce(path, src: torch.Tensor, out: torch.Tensor, recv, work: torch.Tensor,
     `path` (a HostBackend) gives the communicator, chunks, pieces and pacing: the collectives
     are the ones its allreduce runs for a tensor of the wire's dtype, because a joined rank,
     which has no tensor, reduces zeros of that dtype that way. Synchronization: the allreduce
-    collectives of the chunks (and across hosts of the pieces in each) on `path.comm`."""
+    collectives of the chunks (and across hosts of the pieces in each) on `path.reduce_comm`."""
     n = src.numel()
     src_flat, out_flat = src.view(-1), out.view(-1)
 
@@ -44,7 +44,7 @@ def reduce(path, src: torch.Tensor, out: torch.Tensor, recv, work: torch.Tensor,
         hi = min(lo + step, n)
         if piece:
             mpi.allreduce(
-                path.comm,
+                path.reduce_comm,
                 None,
                 recv[lo:hi],
                 op,
@@ -56,5 +56,5 @@ def reduce(path, src: torch.Tensor, out: torch.Tensor, recv, work: torch.Tensor,
             )
         else:
             fill(lo, hi)
-            mpi.allreduce(path.comm, None, recv[lo:hi], op, path.busy, path.network_sleep)
+            mpi.allreduce(path.reduce_comm, None, recv[lo:hi], op, path.busy, path.network_sleep)
             drain(lo, hi)

@@ -47,7 +47,7 @@ def allreduce(comms, send, recv, op, busy=None, network: float = 0.0, piece: int
     """Allreduce flat buffers (`send=None`: in place) over the node hierarchy.
 
     Synchronization: collectives on comms.local, comms.cross and comms.local again (and on
-    comms.world for the tail). The cross-node allreduce, the part that waits on the network,
+    comms.node_ordered for the tail). The cross-node allreduce, the part that waits on the network,
     is paced by `busy` and `network` and cut in `piece`s as mpi.allreduce says; the node's own
     parts are blocking.
     """
@@ -66,4 +66,4 @@ def allreduce(comms, send, recv, op, busy=None, network: float = 0.0, piece: int
         mpi.allreduce(comms.cross, None, part, op, busy, network, piece)
         mpi.allgather(local, part, recv[:main])
     if main < n:  # fewer than local_size elements left: one small flat allreduce
-        mpi.allreduce(comms.world, None if send is None else send[main:], recv[main:], op)
+        mpi.allreduce(comms.node_ordered, None if send is None else send[main:], recv[main:], op)

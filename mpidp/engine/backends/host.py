@@ -63,6 +63,7 @@ class HostBackend:
     def __init__(self, comms, config):
         self.comms = comms
         self.comm = comms.world
+        self.reduce_comm = comms.node_ordered  # allreduce's (job.Comms says why)
         self.size = comms.size
         self.rank = comms.rank
         self.config = config
@@ -87,7 +88,7 @@ class HostBackend:
         # hosts, unless the knob is set, the ranks measure the link here.
         self.chunk_bytes = config.chunk_bytes
         self._pace = link.LinkPace(
-            self.comm,
+            self.reduce_comm,
             self.network and config.chunk_bytes > 0 and "chunk_bytes" not in config.explicit,
         )
         if self._pace.measure(config.chunk_bytes):
@@ -149,7 +150,7 @@ class HostBackend:
         over a big tensor costs as much as a copy. Written with few calls: after a large
         reduction has flushed the caches, each call costs several times its warm price.
 
-        Synchronization: blocking collectives on world, or on local, cross and local again.
+        Synchronization: blocking collectives on node_ordered, or on local, cross and local again.
         """
         if self.stats is not None:  # _wire(), inline
             self.stats.wire_bytes += recv.nbytes
@@ -159,7 +160,7 @@ class HostBackend:
         if hierarchical:
             call, comm = hierarchy.allreduce, self.comms
         else:
-            call, comm = mpi.allreduce, self.comm
+            call, comm = mpi.allreduce, self.reduce_comm
         if self.whole_in_pieces or (self.network and out.dtype in dtypes.HALF):
             extra = (self.piece_bytes // recv.itemsize,)
         n = recv.size

@@ -15,7 +15,8 @@ class Comms:
     """mpidp's private communicators: a duplicate of the user's, its local and cross splits.
 
     `local` holds the ranks of this node, `cross` the ranks with the same local rank on every
-    node. With `simulated_local_size=k > 0` a node is k consecutive ranks of COMM_WORLD
+    node, `node_ordered` every rank numbered node by node (where allreduce runs). With
+    `simulated_local_size=k > 0` a node is k consecutive ranks of COMM_WORLD
     (node id = world rank // k) instead of the ranks that share memory, so a process set sees
     the same simulated nodes as the world. When k does not divide the world size, the last node
     is smaller (a non-homogeneous layout, which hierarchical allreduce handles by falling back to
@@ -46,7 +47,23 @@ class Comms:
         self.wake = self.world.Dup()
         # Point to point for users (torch.distributed's send/recv), from their own threads.
         self.p2p = self.world.Dup()
-        self.local_sizes = self.world.allgather(self.local.Get_size())
+        # Each rank's node, named by the node's lowest rank, with the node's size.
+        first = self.local.allreduce(self.rank, op=MPI.MIN)
+        nodes = self.world.allgather((first, self.local.Get_size()))
+        self.local_sizes = [n for _, n in nodes]
+        # MPI's allreduce algorithms pair ranks by their numbers and trust the launcher to have
+        # numbered a node's ranks next to each other (recursive halving keeps its big first
+        # exchange between near ranks): with ranks dealt round-robin to the nodes (`-hosts
+        # a:1,b:1 -n 4`, `--map-by node`, Slurm's cyclic distribution) that exchange crosses
+        # the network and each node's link carries twice the bytes (64 MB at 1 Gbit/s, 2 nodes
+        # x 2 ranks: 1086 ms against 685 for MPI's blocking call; BENCHMARKS.md). Allreduce's
+        # result does not depend on who is which rank, so it runs on the ranks renumbered in
+        # node order; a job already in that order keeps `world` itself.
+        order = sorted(range(self.size), key=lambda r: (nodes[r][0], r))
+        if order == list(range(self.size)):
+            self.node_ordered = self.world
+        else:
+            self.node_ordered = self.world.Split(color=0, key=order.index(self.rank))
         self.hosts = self.world.allgather(MPI.Get_processor_name())  # errors name them
         # Marks this engine's wake-ups: a freed communicator's context id may come back in a
         # later Dup, with an old wake-up still queued for it, which must not reach a new engine.
@@ -65,7 +82,10 @@ class Comms:
         return len(set(self.local_sizes)) == 1
 
     def free(self) -> None:
-        for comm in (self.p2p, self.wake, self.control, self.cross, self.local, self.world):
+        comms = [self.p2p, self.wake, self.control, self.cross, self.local, self.world]
+        if self.node_ordered is not self.world:
+            comms.insert(0, self.node_ordered)
+        for comm in comms:
             if comm != MPI.COMM_NULL:
                 comm.Free()
 
