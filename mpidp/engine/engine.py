@@ -36,7 +36,7 @@ class Engine:
         self.rank, self.size = comms.rank, comms.size
         self.queue = TensorQueue()
         self.stats = EngineStats()
-        self.neg = Negotiator(comms, config, self.stats)  # posts the wake-up receive
+        self.neg = Negotiator(comms, config, self.stats)
         backend = self.sampler = None
         try:
             self.backend = backend = make_backend(comms, config, shared_store)
@@ -54,8 +54,7 @@ class Engine:
             # Rank 0 of the global set only; swapped by start/stop_timeline.
             self.timeline: Optional[Timeline] = timeline.from_start(config, set_id, self.rank)
         except BaseException:
-            # Cancel the posted receive (MPI warns at exit of one never completed) and close
-            # what was opened; the communicators are init()'s to free.
+            # Close what was opened; the communicators are init()'s to free.
             self.neg.close()
             for part in (self.sampler, backend):
                 if part is not None:

@@ -3,7 +3,7 @@
 Cycles. The k-th cycle is the k-th negotiation on the engine's control communicator, so every
 rank runs the same cycles in the same order. A rank runs a cycle only while it has work (an op in
 flight, a stop request, or a wake-up from a peer); otherwise it sleeps and makes no MPI call at
-all but a low-rate test of its one posted wake-up receive. A peer that runs cycle k meanwhile
+all but a low-rate probe for a wake-up message. A peer that runs cycle k meanwhile
 waits for it inside a non-blocking collective, which it polls with a bounded back-off.
 
 One cycle, on every rank:
@@ -40,8 +40,8 @@ alone and, if it comes back unchanged, skips steps 3-4 (negotiate_one).
 Wake-ups. A rank that needs peers in a cycle they may sleep through (to stop them, or to have them
 report for a stall check) sends each peer the pair (k, flags) on the wake communicator, k being the
 cycle it is in (and the engine's epoch, so a wake-up left by an earlier engine is dropped). It sends
-at the start of the cycle, or while it waits in the band once the reason arises. An engine tests its
-posted receive between cycles and, while asleep, every WAKE_POLL_S. A wake for a cycle it has not
+at the start of the cycle, or while it waits in the band once the reason arises. An engine probes
+for wake-ups between cycles and, while asleep, every WAKE_POLL_S. A wake for a cycle it has not
 run yet makes it run that cycle with those flags in its band; a wake for a cycle it already ran is
 dropped. Ops need no wake-up: every rank's own submission wakes its own engine. Stall detection thus
 works with sleeping peers: a waiting rank raises STALL in its band and wakes its peers, so the
