@@ -114,6 +114,41 @@ after = mpidp.allreduce(torch.ones(2), op=mpidp.Sum, name="after.mismatch")
 check(torch.equal(after, torch.full((2,), float(size))), "allreduce after the mismatch")
 
 
+# -- receives from any source (torch.distributed's recv without src) -----------------------------
+# Rank 0 takes one message from every other rank, most of them from other hosts: its first
+# receive starts before the messages are sent, the others after the first has matched (a
+# posted receive from any source started then once missed the second message from another
+# host and waited for ever: the waits have a deadline here).
+import threading  # noqa: E402
+
+from mpidp.distributed import p2p  # noqa: E402
+
+if rank == 0:
+    senders = []
+    first = p2p.recv(None, torch.zeros(2), None, 5)
+    mpidp.barrier()
+
+    def _take_all():
+        work = first
+        for i in range(size - 1):
+            if i:
+                work = p2p.recv(None, torch.zeros(2), None, 5)
+            got = work.result()[0]
+            senders.append((work.source_rank(), got.tolist()))
+
+    taker = threading.Thread(target=_take_all, daemon=True)
+    taker.start()
+    taker.join(30)
+    check(
+        sorted(senders) == [(r, [float(r), 1.0]) for r in range(1, size)],
+        f"receives from any source got {sorted(senders)} (one from each of ranks 1..{size - 1})",
+    )
+else:
+    mpidp.barrier()
+    p2p.send(None, torch.tensor([float(rank), 1.0]), 0, 5).wait()
+mpidp.barrier()
+
+
 # -- where the bytes went: TCP connections held by this process ----------------------------------
 def tcp_peers():
     """Remote IPv4 addresses of the ESTABLISHED TCP connections of this process's sockets."""
