@@ -47,10 +47,12 @@ class Comms:
         self.wake = self.world.Dup()
         # Point to point for users (torch.distributed's send/recv), from their own threads.
         self.p2p = self.world.Dup()
-        # Each rank's node, named by the node's lowest rank, with the node's size.
+        # Each rank's node, named by the node's lowest rank, with the node's size and the
+        # host's name (errors name it).
         first = self.local.allreduce(self.rank, op=MPI.MIN)
-        nodes = self.world.allgather((first, self.local.Get_size()))
-        self.local_sizes = [n for _, n in nodes]
+        nodes = self.world.allgather((first, self.local.Get_size(), MPI.Get_processor_name()))
+        self.local_sizes = [size for _, size, _ in nodes]
+        self.hosts = [host for _, _, host in nodes]
         # MPI's allreduce algorithms pair ranks by their numbers and trust the launcher to have
         # numbered a node's ranks next to each other (recursive halving keeps its big first
         # exchange between near ranks): with ranks dealt round-robin to the nodes (`-hosts
@@ -64,7 +66,6 @@ class Comms:
             self.node_ordered = self.world
         else:
             self.node_ordered = self.world.Split(color=0, key=order.index(self.rank))
-        self.hosts = self.world.allgather(MPI.Get_processor_name())  # errors name them
         # Marks this engine's wake-ups: a freed communicator's context id may come back in a
         # later Dup, with an old wake-up still queued for it, which must not reach a new engine.
         self.epoch = self.world.bcast(
